@@ -1,0 +1,221 @@
+"""Orthogonalization: the approximate polar factor ``U V^T`` of a (batched) matrix.
+
+Pure functions, no optimizer state. One iteration loop, :func:`zeropower`, is driven by a
+coefficient schedule; the strategies differ only in their schedule:
+
+- ``"newton_schulz"``: the fixed quintic ``(3.4445, -4.7750, 2.0315)`` of Muon's reference.
+- ``"polar_express"``: the per-step optimal quintics of Polar Express (arXiv:2505.16932),
+  with its safety handling (every polynomial but the last divided by 1.01 / 1.01^3 / 1.01^5,
+  and the input normalized by ``1.01 * ||X||_F``).
+
+Each step on ``X`` (``m <= n``; tall inputs are transposed so the Gram matrix is the small one):
+
+    A = X @ X^T;   B = b*A + c*A@A;   X = a*X + B@X
+
+``X @ X^T`` and ``A @ A`` (= ``A @ A^T``, ``A`` symmetric) go through
+:func:`muon_plugin.kernels.gram`, which uses the Triton symmetric kernel on a GPU where it is
+faster and ``torch`` matmuls everywhere else.
+
+:func:`orthogonalize_stack` applies a :class:`MatrixSpec` (flattening, row blocks of fused
+weights, the learning-rate shape rule) to a stack of whole parameter-shaped updates; it is the
+one entry point the optimizer and the distributed plan call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from muon_plugin.kernels import gram
+
+Coefficients = tuple[float, float, float]
+
+NEWTON_SCHULZ_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
+
+# Polar Express, degree 5, l0 = 1e-3 (Amsel et al., arXiv:2505.16932, Algorithm 1).
+# Later steps repeat the last polynomial, which is the fixed point of the scheme.
+POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_SAFETY = 1.01
+
+STRATEGIES = ("polar_express", "newton_schulz")
+LR_ADJUSTMENTS = ("keller", "match_rms_adamw", "spectral", "none")
+MAX_STEPS = 100
+EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The coefficients of every step, and the factor the input norm is inflated by."""
+
+    coefficients: tuple[Coefficients, ...]
+    norm_safety: float
+
+
+def validate_steps(steps: object, strategy: object) -> None:
+    """Raise ValueError unless ``strategy`` is known and can run ``steps`` iterations."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown orthogonalization_strategy {strategy!r}; expected one of {STRATEGIES}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < MAX_STEPS:
+        raise ValueError(
+            f"ns_steps={steps!r} cannot be run by {strategy!r}: "
+            f"it needs an integer number of steps in [1, {MAX_STEPS})"
+        )
+
+
+@cache
+def coefficient_schedule(strategy: str, steps: int) -> Schedule:
+    """The coefficient schedule of ``strategy`` for ``steps`` iterations."""
+    validate_steps(steps, strategy)
+    if strategy == "newton_schulz":
+        return Schedule((NEWTON_SCHULZ_COEFFICIENTS,) * steps, 1.0)
+    s = POLAR_EXPRESS_SAFETY
+    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    table = safe + [POLAR_EXPRESS_COEFFICIENTS[-1]]
+    coefficients = tuple(table[min(i, len(table) - 1)] for i in range(steps))
+    return Schedule(coefficients, s)
+
+
+def lr_shape_factor(rows: int, cols: int, rule: str) -> float:
+    """The factor Muon's learning rate is multiplied by for a ``rows x cols`` matrix."""
+    if rule == "keller":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral":
+        return math.sqrt(rows / cols)
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"unknown lr_adjust {rule!r}; expected one of {LR_ADJUSTMENTS}")
+
+
+def zeropower(
+    G: Tensor,
+    steps: int = 5,
+    strategy: str = "polar_express",
+    *,
+    scale: float = 1.0,
+    eps: float = EPS,
+) -> Tensor:
+    """Approximate polar factor ``scale * U V^T`` of ``G`` (``..., m, n``), computed in bf16.
+
+    Leading dimensions are a batch. The caller's tensor is never modified. ``scale`` is folded
+    into the last step, so scaling the result costs nothing.
+    """
+    if G.ndim < 2:
+        raise ValueError(
+            f"zeropower needs a matrix or a batch of matrices, got shape {tuple(G.shape)}"
+        )
+    schedule = coefficient_schedule(strategy, steps)
+    shape = G.shape
+    X = G.reshape(-1, shape[-2], shape[-1])
+    transposed = X.size(-2) > X.size(-1)
+    # The norm is taken in fp32 from the input; the division makes a new bf16 tensor, so the
+    # caller's G (even when already bf16) is never written.
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    X = (X / (norm * schedule.norm_safety).clamp_min(eps)).to(torch.bfloat16)
+    if transposed:
+        X = X.mT
+    X = iterate(X, schedule.coefficients, scale)
+    if transposed:
+        X = X.mT
+    return X.reshape(shape)
+
+
+def iterate(X: Tensor, coefficients: tuple[Coefficients, ...], scale: float = 1.0) -> Tensor:
+    """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``."""
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        A = gram(X)
+        B = gram(A, alpha=c, C=A, beta=b)
+        s = scale if i == last else 1.0
+        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+    return X
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """How a parameter's update is orthogonalized; hashable, so it keys shape groups.
+
+    ``split_sizes`` cut the rows (dim 0) into blocks orthogonalized independently (fused QKV);
+    ``flatten`` views a >2-D parameter as ``(dim0, -1)`` (conv weights) instead of a batch of
+    matrices over its leading dims.
+    """
+
+    steps: int = 5
+    strategy: str = "polar_express"
+    lr_adjust: str = "keller"
+    flatten: bool = False
+    split_sizes: tuple[int, ...] | None = None
+    compile: bool = False
+
+    def matrix_view(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(batch, rows, cols)`` of the matrices a parameter of ``shape`` is made of."""
+        if self.flatten:
+            return 1, shape[0], math.prod(shape[1:])
+        return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+    def row_blocks(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Row-block sizes of each matrix (one block unless ``split_sizes`` is set)."""
+        _, rows, _ = self.matrix_view(shape)
+        return self.split_sizes or (rows,)
+
+    def flops(self, shape: tuple[int, ...]) -> float:
+        """Matmul FLOPs of orthogonalizing one parameter of ``shape`` (plain-matmul count)."""
+        batch, _, cols = self.matrix_view(shape)
+        total = 0.0
+        for rows in self.row_blocks(shape):
+            m, n = min(rows, cols), max(rows, cols)
+            total += batch * self.steps * (4 * m * m * n + 2 * m**3)
+        return total
+
+
+def orthogonalize_stack(X: Tensor, spec: MatrixSpec) -> Tensor:
+    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
+
+    Returns a bf16 tensor of the same shape. Each matrix (or row block) is scaled by
+    ``lr_shape_factor`` of its own shape, so ``param -= lr * result`` is the Muon update.
+    """
+    if spec.compile:
+        return compiled_orthogonalize_stack()(X, replace(spec, compile=False))
+    param_shape = tuple(X.shape[1:])
+    batch, rows, cols = spec.matrix_view(param_shape)
+    M = X.reshape(X.size(0) * batch, rows, cols)
+    blocks = spec.row_blocks(param_shape)
+    if len(blocks) == 1:
+        out = zeropower(
+            M, spec.steps, spec.strategy, scale=lr_shape_factor(rows, cols, spec.lr_adjust)
+        )
+        return out.reshape(X.shape)
+    out = torch.empty(M.shape, dtype=torch.bfloat16, device=M.device)
+    # Blocks of one size share a shape and a scale: orthogonalize them in one batched call.
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    for size in sorted(set(blocks)):
+        picked = [s for s, b in zip(starts, blocks, strict=True) if b == size]
+        stacked = torch.stack([M[:, s : s + size] for s in picked], dim=1)
+        result = zeropower(
+            stacked, spec.steps, spec.strategy, scale=lr_shape_factor(size, cols, spec.lr_adjust)
+        )
+        for j, s in enumerate(picked):
+            out[:, s : s + size] = result[:, j]
+    return out.reshape(X.shape)
+
+
+@cache
+def compiled_orthogonalize_stack():
+    """``orthogonalize_stack`` under ``torch.compile`` (built once, on first use)."""
+    return torch.compile(orthogonalize_stack, dynamic=False)
