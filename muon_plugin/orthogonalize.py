@@ -24,6 +24,7 @@ one entry point the optimizer and the distributed plan call.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -110,40 +111,53 @@ def zeropower(
     *,
     scale: float = 1.0,
     eps: float = EPS,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """Approximate polar factor ``scale * U V^T`` of ``G`` (``..., m, n``), computed in bf16.
 
-    Leading dimensions are a batch. The caller's tensor is never modified. ``scale`` is folded
-    into the last step, so scaling the result costs nothing.
+    Leading dimensions are a batch. ``scale`` is folded into the last step, so scaling the
+    result costs nothing. The caller's tensor is left untouched unless ``overwrite_input`` is
+    set and ``G`` is a contiguous bf16 scratch buffer, which is then normalized in place
+    (saving one pass over memory).
     """
     if G.ndim < 2:
-        raise ValueError(
-            f"zeropower needs a matrix or a batch of matrices, got shape {tuple(G.shape)}"
-        )
+        raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
     schedule = coefficient_schedule(strategy, steps)
     shape = G.shape
-    X = G.reshape(-1, shape[-2], shape[-1])
-    transposed = X.size(-2) > X.size(-1)
-    # The norm is taken in fp32 from the input; the division makes a new bf16 tensor, so the
-    # caller's G (even when already bf16) is never written.
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    X = (X / (norm * schedule.norm_safety).clamp_min(eps)).to(torch.bfloat16)
-    if transposed:
-        X = X.mT
-    X = iterate(X, schedule.coefficients, scale)
-    if transposed:
-        X = X.mT
+    G3 = G.reshape(-1, shape[-2], shape[-1])
+    # The norm is taken in fp32; the bf16 copy is scaled while it is written (one pass).
+    norm = torch.linalg.vector_norm(G3, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    inv = (norm * schedule.norm_safety).clamp_min_(eps).reciprocal_()
+    if overwrite_input and G3.dtype == torch.bfloat16 and G3.is_contiguous():
+        X = G3.mul_(inv)
+    else:
+        X = torch.mul(G3, inv, out=torch.empty(G3.shape, dtype=torch.bfloat16, device=G.device))
+    tall = X.size(-2) > X.size(-1)
+    X = iterate(X.mT if tall else X, schedule.coefficients, scale, transpose_result=tall)
     return X.reshape(shape)
 
 
-def iterate(X: Tensor, coefficients: tuple[Coefficients, ...], scale: float = 1.0) -> Tensor:
-    """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``."""
+def iterate(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float = 1.0,
+    *,
+    transpose_result: bool = False,
+) -> Tensor:
+    """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
+
+    With ``transpose_result`` the last step computes ``X^T <- a X^T + X^T B`` (``B`` is
+    symmetric), so a tall input's result comes out contiguous in its own orientation.
+    """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)
         B = gram(A, alpha=c, C=A, beta=b)
-        s = scale if i == last else 1.0
-        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+        if i == last:
+            if transpose_result:
+                return torch.baddbmm(X.mT, X.mT, B, beta=a * scale, alpha=scale)
+            return torch.baddbmm(X, B, X, beta=a * scale, alpha=scale)
+        X = torch.baddbmm(X, B, X, beta=a)
     return X
 
 
@@ -184,22 +198,35 @@ class MatrixSpec:
         return total
 
 
-def orthogonalize_stack(X: Tensor, spec: MatrixSpec) -> Tensor:
+def stack_bf16(tensors: Sequence[Tensor]) -> Tensor:
+    """Stack same-shape tensors into one new bf16 buffer (one multi-tensor cast-copy)."""
+    out = torch.empty(
+        (len(tensors), *tensors[0].shape), dtype=torch.bfloat16, device=tensors[0].device
+    )
+    torch._foreach_copy_(list(out.unbind(0)), list(tensors))
+    return out
+
+
+def orthogonalize_stack(X: Tensor | Sequence[Tensor], spec: MatrixSpec) -> Tensor:
     """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
 
-    Returns a bf16 tensor of the same shape. Each matrix (or row block) is scaled by
-    ``lr_shape_factor`` of its own shape, so ``param -= lr * result`` is the Muon update.
+    ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
+    buffer, which is then normalized in place). Returns a bf16 tensor ``(B, *param_shape)``.
+    Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
+    ``param -= lr * result`` is the Muon update.
     """
     if spec.compile:
         return compiled_orthogonalize_stack()(X, replace(spec, compile=False))
+    scratch = not isinstance(X, Tensor)
+    if scratch:
+        X = stack_bf16(X)
     param_shape = tuple(X.shape[1:])
     batch, rows, cols = spec.matrix_view(param_shape)
     M = X.reshape(X.size(0) * batch, rows, cols)
     blocks = spec.row_blocks(param_shape)
     if len(blocks) == 1:
-        out = zeropower(
-            M, spec.steps, spec.strategy, scale=lr_shape_factor(rows, cols, spec.lr_adjust)
-        )
+        factor = lr_shape_factor(rows, cols, spec.lr_adjust)
+        out = zeropower(M, spec.steps, spec.strategy, scale=factor, overwrite_input=scratch)
         return out.reshape(X.shape)
     out = torch.empty(M.shape, dtype=torch.bfloat16, device=M.device)
     # Blocks of one size share a shape and a scale: orthogonalize them in one batched call.
@@ -207,9 +234,8 @@ def orthogonalize_stack(X: Tensor, spec: MatrixSpec) -> Tensor:
     for size in sorted(set(blocks)):
         picked = [s for s, b in zip(starts, blocks, strict=True) if b == size]
         stacked = torch.stack([M[:, s : s + size] for s in picked], dim=1)
-        result = zeropower(
-            stacked, spec.steps, spec.strategy, scale=lr_shape_factor(size, cols, spec.lr_adjust)
-        )
+        factor = lr_shape_factor(size, cols, spec.lr_adjust)
+        result = zeropower(stacked, spec.steps, spec.strategy, scale=factor, overwrite_input=True)
         for j, s in enumerate(picked):
             out[:, s : s + size] = result[:, j]
     return out.reshape(X.shape)
