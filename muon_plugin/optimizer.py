@@ -224,15 +224,7 @@ class Muon(Optimizer):
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
-            bufs = [local(self._momentum_buffer(p)) for p in ps]
-            grads = [local(p.grad) for p in ps]
-            for chunk in self._chunks(len(ps)):
-                directions += momentum_update_(
-                    [grads[i] for i in chunk],
-                    [bufs[i] for i in chunk],
-                    group["momentum"],
-                    group["nesterov"],
-                )
+            directions += self._momentum_directions(group, ps)
             params += ps
             specs += [group_spec(group)] * len(ps)
         if not params:
@@ -258,6 +250,23 @@ class Muon(Optimizer):
     def _chunks(self, n: int) -> list[range]:
         """Index ranges the elementwise math runs on: all at once, or one by one."""
         return [range(n)] if self.batched else [range(i, i + 1) for i in range(n)]
+
+    def _momentum_directions(self, group: dict[str, Any], ps: list[Tensor]) -> list[Tensor]:
+        """Update the momentum of ``ps`` (params with grads) and return their local directions.
+
+        Subclasses that store momentum differently (``MuonLP``) override this.
+        """
+        bufs = [local(self._momentum_buffer(p)) for p in ps]
+        grads = [local(p.grad) for p in ps]
+        directions: list[Tensor] = []
+        for chunk in self._chunks(len(ps)):
+            directions += momentum_update_(
+                [grads[i] for i in chunk],
+                [bufs[i] for i in chunk],
+                group["momentum"],
+                group["nesterov"],
+            )
+        return directions
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
