@@ -117,21 +117,18 @@ def zeropower(
 
     Leading dimensions are a batch. ``scale`` is folded into the last step, so scaling the
     result costs nothing. The caller's tensor is left untouched unless ``overwrite_input`` is
-    set and ``G`` is a contiguous bf16 scratch buffer, which is then normalized in place
-    (saving one pass over memory).
+    set and ``G`` is a contiguous bf16 scratch buffer, which is then normalized in place.
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
     schedule = coefficient_schedule(strategy, steps)
     shape = G.shape
-    G3 = G.reshape(-1, shape[-2], shape[-1])
-    # The norm is taken in fp32; the bf16 copy is scaled while it is written (one pass).
-    norm = torch.linalg.vector_norm(G3, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    inv = (norm * schedule.norm_safety).clamp_min_(eps).reciprocal_()
-    if overwrite_input and G3.dtype == torch.bfloat16 and G3.is_contiguous():
-        X = G3.mul_(inv)
-    else:
-        X = torch.mul(G3, inv, out=torch.empty(G3.shape, dtype=torch.bfloat16, device=G.device))
+    X = G.reshape(-1, shape[-2], shape[-1])
+    if not (overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()):
+        X = X.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
+    X.mul_((norm * schedule.norm_safety).clamp_min_(eps).reciprocal_().to(torch.bfloat16))
     tall = X.size(-2) > X.size(-1)
     X = iterate(X.mT if tall else X, schedule.coefficients, scale, transpose_result=tall)
     return X.reshape(shape)
@@ -146,18 +143,18 @@ def iterate(
 ) -> Tensor:
     """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
 
-    With ``transpose_result`` the last step computes ``X^T <- a X^T + X^T B`` (``B`` is
-    symmetric), so a tall input's result comes out contiguous in its own orientation.
+    Each step's ``a X + B X`` is one ``baddbmm`` (fp32 accumulation: its terms nearly cancel in
+    the first steps). With ``transpose_result`` the last step computes ``X^T <- a X^T + X^T B``
+    (``B`` is symmetric), so a tall input's result comes out contiguous in its own orientation.
     """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)
         B = gram(A, alpha=c, C=A, beta=b)
-        if i == last:
-            if transpose_result:
-                return torch.baddbmm(X.mT, X.mT, B, beta=a * scale, alpha=scale)
-            return torch.baddbmm(X, B, X, beta=a * scale, alpha=scale)
-        X = torch.baddbmm(X, B, X, beta=a)
+        s = scale if i == last else 1.0
+        if i == last and transpose_result:
+            return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
     return X
 
 

@@ -232,6 +232,7 @@ def test_named_parameters_are_accepted():
 def test_compile_matches_eager():
     a = make_params((32, 16), (16, 48), seed=9)
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    start = [p.detach().clone() for p in a]
     opt_a = MuonForeach(a, lr=0.02)
     opt_b = MuonForeach(b, lr=0.02, compile=True)
     for step in range(2):
@@ -239,8 +240,9 @@ def test_compile_matches_eager():
         set_grads(b, step)
         opt_a.step()
         opt_b.step()
-    for p, q in zip(a, b, strict=True):
-        assert rel_err(p, q) < 1e-3
+    for p, q, p0 in zip(a, b, start, strict=True):
+        # Inductor fuses the bf16 ops (fewer roundings): equal up to bf16 noise.
+        assert rel_err(p - p0, q - p0) < 2e-2
 
 
 # ------------------------------------------------------------------ bad input
