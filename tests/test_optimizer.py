@@ -242,7 +242,7 @@ def test_compile_matches_eager():
         opt_b.step()
     for p, q, p0 in zip(a, b, start, strict=True):
         # Inductor fuses the bf16 ops (fewer roundings): equal up to bf16 noise.
-        assert rel_err(p - p0, q - p0) < 2e-2
+        assert rel_err(p - p0, q - p0) < 4e-2
 
 
 # ------------------------------------------------------------------ bad input
