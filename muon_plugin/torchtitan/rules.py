@@ -1,0 +1,332 @@
+"""Which parameters Muon updates and which AdamW does: classification and param groups.
+
+Pure functions over ``(name, parameter)`` pairs; nothing here needs torch.distributed.
+
+Every trainable parameter gets exactly one *class*, from its name (the FQN with wrapper
+prefixes ``_checkpoint_wrapped_module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.`` removed)
+and its number of dimensions:
+
+========== ================================================================ =========
+class      default rule (first match wins, top to bottom)                   algorithm
+========== ================================================================ =========
+other      name ends in ``bias`` (any ndim, e.g. gpt_oss ``mlp1_bias`` [E, n]  adamw
+           which is 2-D but not a matrix), or ndim == 0, or ndim > 3
+norm       1-D whose module name contains ``norm`` (``attention_norm``,         adamw
+           ``q_norm``, ``norm`` ...), or ``ln_*`` / ``layernorm``
+other      any other 1-D parameter (``attention.sinks``, scales, ...)         adamw
+embedding  2-D under a module named ``tok_embeddings``, ``embed_tokens``,        adamw
+           ``wte``, ``wpe`` or ``*embed*``
+output     2-D named ``output.weight`` or ``lm_head.weight`` (the head)      adamw
+router     2-D under a ``router`` or ``gate`` module of an MoE block            adamw
+           (``moe.router.gate.weight``): a tiny [experts, dim] matrix whose
+           rows are scored against each other, kept on AdamW like most Muon
+           recipes (Moonlight, Kimi K2) do; set ``router_algorithm = "muon"``
+           to change it
+expert     3-D (stacked expert matrices ``moe.experts.w1`` [E, m, n])           muon
+matrix     any other 2-D parameter                                            muon
+========== ================================================================ =========
+
+A model with tied input/output embeddings (qwen3's small flavors) registers the shared tensor
+once; ``named_parameters()`` returns it under its first name (``tok_embeddings.weight``), so it
+is an *embedding*, counted once.
+
+User patterns: for each class ``c`` a list ``c_patterns`` of patterns, matched against the
+stripped FQN. A pattern is a shell-style glob (:mod:`fnmatch`, ``*`` also crosses dots:
+``output.*``, ``layers.*.moe.router.*``) or, with the prefix ``re:``, a Python regular
+expression that must match the whole name (``re:layers\\.[0-3]\\..*``). User patterns are
+checked before the default rules; a parameter matched by patterns of two different classes is
+an error, and so is a pattern that matches no parameter. A class without patterns keeps only
+its default rule.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PARAM_CLASSES: tuple[str, ...] = (
+    "matrix",
+    "expert",
+    "router",
+    "embedding",
+    "output",
+    "norm",
+    "other",
+)
+"""All parameter classes, in the order their groups are built and the table is printed."""
+
+DEFAULT_ALGORITHMS: dict[str, str] = {
+    "matrix": "muon",
+    "expert": "muon",
+    "router": "adamw",
+    "embedding": "adamw",
+    "output": "adamw",
+    "norm": "adamw",
+    "other": "adamw",
+}
+ALGORITHMS: tuple[str, ...] = ("muon", "adamw", "adam")
+
+WRAPPER_PREFIXES: tuple[str, ...] = (
+    "_checkpoint_wrapped_module.",
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+)
+
+_EMBEDDING_MODULES = ("tok_embeddings", "embed_tokens", "wte", "wpe", "embeddings")
+_OUTPUT_NAMES = ("output.weight", "lm_head.weight")
+
+
+def strip_fqn(name: str) -> str:
+    """``name`` without the wrapper components activation checkpointing, torch.compile and
+    FSDP1 insert (wherever they appear)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _is_norm_module(module_name: str) -> bool:
+    last = module_name.rsplit(".", 1)[-1].lower()
+    return "norm" in last or last.startswith("ln_") or last in ("ln", "ln_f")
+
+
+def default_class(name: str, ndim: int) -> str:
+    """The class of a parameter under the default rules (see the module docstring)."""
+    parts = name.split(".")
+    leaf = parts[-1]
+    module = ".".join(parts[:-1])
+    modules = parts[:-1]
+    if leaf.endswith("bias") or ndim == 0 or ndim > 3:
+        return "other"
+    if ndim == 1:
+        return "norm" if _is_norm_module(module) else "other"
+    if ndim == 2:
+        if any(m in _EMBEDDING_MODULES or "embed" in m.lower() for m in modules):
+            return "embedding"
+        if name in _OUTPUT_NAMES:
+            return "output"
+        if "router" in modules or ("moe" in modules and "gate" in modules):
+            return "router"
+        return "matrix"
+    # ndim == 3: a stack of matrices (MoE experts)
+    return "expert"
+
+
+class Pattern:
+    """One user pattern: a glob, or a regex with the ``re:`` prefix."""
+
+    def __init__(self, text: str) -> None:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"empty or non-string pattern {text!r}")
+        self.text = text
+        if text.startswith("re:"):
+            try:
+                self._regex = re.compile(text[3:])
+            except re.error as e:
+                raise ValueError(f"invalid regular expression in pattern {text!r}: {e}") from e
+        else:
+            self._regex = re.compile(fnmatch.translate(text))
+
+    def matches(self, name: str) -> bool:
+        return self._regex.fullmatch(name) is not None
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+@dataclass
+class ClassSettings:
+    """Per-class optimizer settings; ``None`` means "inherit the optimizer-wide value"."""
+
+    algorithm: str
+    lr: float | None = None
+    weight_decay: float | None = None
+    patterns: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RuleSet:
+    """User patterns and per-class settings. ``classes`` maps every class in
+    :data:`PARAM_CLASSES` to its :class:`ClassSettings`."""
+
+    classes: dict[str, ClassSettings]
+    option_prefix: str = "optimizer.muon."
+    """How option names are spelled in error messages."""
+
+    @classmethod
+    def default(cls) -> RuleSet:
+        return cls({c: ClassSettings(DEFAULT_ALGORITHMS[c]) for c in PARAM_CLASSES})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.classes) - set(PARAM_CLASSES)
+        if unknown:
+            raise ValueError(
+                f"unknown parameter class(es) {sorted(unknown)}; expected {PARAM_CLASSES}"
+            )
+        for c in PARAM_CLASSES:
+            self.classes.setdefault(c, ClassSettings(DEFAULT_ALGORITHMS[c]))
+        for c, s in self.classes.items():
+            if s.algorithm not in ALGORITHMS:
+                raise ValueError(
+                    f"{self.option_prefix}{c}_algorithm: {s.algorithm!r} is not one of {ALGORITHMS}"
+                )
+            if not isinstance(s.patterns, (list, tuple)):
+                raise ValueError(
+                    f"{self.option_prefix}{c}_patterns must be a list of strings, "
+                    f"got {s.patterns!r}"
+                )
+            for p in s.patterns:
+                try:
+                    Pattern(p)
+                except ValueError as e:
+                    raise ValueError(f"{self.option_prefix}{c}_patterns: {e}") from None
+
+
+@dataclass
+class Classified:
+    """The result of :func:`classify`: parameter FQNs (as given) and tensors per class."""
+
+    names: dict[str, list[str]]
+    params: dict[str, list[Any]]
+
+    def class_of(self, name: str) -> str:
+        for c, names in self.names.items():
+            if name in names:
+                return c
+        raise KeyError(name)
+
+
+def classify(
+    named_params: Iterable[tuple[str, Any]],
+    rules: RuleSet | None = None,
+    *,
+    used_patterns: set[tuple[str, str]] | None = None,
+) -> Classified:
+    """Assign every ``(name, param)`` a class. ``param`` only needs ``.ndim``.
+
+    Raises ValueError naming the parameter when patterns of two classes match it. A user
+    pattern that matches nothing is an error naming the pattern, unless ``used_patterns`` is
+    given: then the ``(class, pattern)`` pairs that matched are added to it and the caller
+    checks them with :func:`check_unused_patterns` after all model parts (with pipeline
+    parallelism a pattern may match in one stage only).
+    """
+    rules = rules or RuleSet.default()
+    compiled = {c: [Pattern(p) for p in rules.classes[c].patterns] for c in PARAM_CLASSES}
+    used: set[tuple[str, str]] = set()
+    names: dict[str, list[str]] = {c: [] for c in PARAM_CLASSES}
+    params: dict[str, list[Any]] = {c: [] for c in PARAM_CLASSES}
+    seen: set[int] = set()
+    for name, p in named_params:
+        if id(p) in seen:  # tied weights: keep the first name only
+            continue
+        seen.add(id(p))
+        stripped = strip_fqn(name)
+        hits = []
+        for c in PARAM_CLASSES:
+            for pat in compiled[c]:
+                if pat.matches(stripped):
+                    used.add((c, pat.text))
+                    if c not in hits:
+                        hits.append(c)
+        if len(hits) > 1:
+            raise ValueError(
+                f"parameter {stripped!r} is matched by patterns of several classes: "
+                + ", ".join(f"{rules.option_prefix}{c}_patterns" for c in hits)
+            )
+        cls = hits[0] if hits else default_class(stripped, p.ndim)
+        names[cls].append(name)
+        params[cls].append(p)
+    if used_patterns is None:
+        check_unused_patterns(rules, used)
+    else:
+        used_patterns.update(used)
+    return Classified(names, params)
+
+
+def check_unused_patterns(rules: RuleSet, used: set[tuple[str, str]]) -> None:
+    """Raise ValueError naming the first user pattern not in ``used``."""
+    for c in PARAM_CLASSES:
+        for text in rules.classes[c].patterns:
+            if (c, text) not in used:
+                raise ValueError(
+                    f"{rules.option_prefix}{c}_patterns: pattern {text!r} matches no "
+                    "parameter (names are matched without the _orig_mod. / "
+                    "_checkpoint_wrapped_module. / _fsdp_wrapped_module. components)"
+                )
+
+
+def build_param_groups(
+    named_params: Iterable[tuple[str, Any]],
+    rules: RuleSet,
+    *,
+    lr: float,
+    weight_decay: float,
+    extra: Mapping[str, Mapping[str, Any]] | None = None,
+    used_patterns: set[tuple[str, str]] | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Param groups for :class:`muon_plugin.Muon`: one per non-empty class.
+
+    Each group: ``params``, ``param_names``, ``algorithm``, ``lr``, ``wd`` plus
+    ``extra[algorithm]`` (e.g. ``{"adamw": {"adam_betas": ..., "adam_eps": ...}}``).
+    Returns the groups and, in the same order, their class names.
+
+    Raises ValueError when a class set to ``"muon"`` holds parameters with fewer than
+    two dimensions. ``used_patterns``: see :func:`classify`.
+    """
+    classified = classify(named_params, rules, used_patterns=used_patterns)
+    groups: list[dict[str, Any]] = []
+    group_classes: list[str] = []
+    for c in PARAM_CLASSES:
+        ps = classified.params[c]
+        if not ps:
+            continue
+        s = rules.classes[c]
+        if s.algorithm == "muon":
+            bad = [n for n, p in zip(classified.names[c], ps, strict=True) if p.ndim < 2]
+            if bad:
+                raise ValueError(
+                    f"{rules.option_prefix}{c}_algorithm = 'muon' but class {c!r} holds "
+                    f"parameters with fewer than 2 dimensions, e.g. {bad[0]!r}; Muon "
+                    "only updates matrices"
+                )
+        group: dict[str, Any] = {
+            "params": list(ps),
+            "param_names": list(classified.names[c]),
+            "algorithm": s.algorithm,
+            "lr": lr if s.lr is None else s.lr,
+            "wd": weight_decay if s.weight_decay is None else s.weight_decay,
+        }
+        if extra and s.algorithm in extra:
+            group.update(extra[s.algorithm])
+        groups.append(group)
+        group_classes.append(c)
+    return groups, group_classes
+
+
+def numel(p: Any) -> int:
+    """Global number of elements (DTensor-aware: ``numel()`` of a DTensor is global)."""
+    return int(p.numel())
+
+
+def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[str]) -> str:
+    """A plain-text table: class, algorithm, count, #parameters, lr, weight decay."""
+    header = ("class", "algorithm", "count", "#params", "lr", "weight decay")
+    rows = [header]
+    total_n, total_p = 0, 0
+    for g, c in zip(groups, classes, strict=True):
+        n = len(g["params"])
+        p = sum(numel(t) for t in g["params"])
+        total_n += n
+        total_p += p
+        rows.append((c, g["algorithm"], str(n), f"{p:,}", f"{g['lr']:.3g}", f"{g['wd']:.3g}"))
+    rows.append(("total", "", str(total_n), f"{total_p:,}", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for i, r in enumerate(rows):
+        cells = [r[j].ljust(widths[j]) if j < 2 else r[j].rjust(widths[j]) for j in range(len(r))]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0 or i == len(rows) - 2:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
