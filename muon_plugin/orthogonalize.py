@@ -196,22 +196,29 @@ class MatrixSpec:
 
 
 def stack_bf16(tensors: Sequence[Tensor]) -> Tensor:
-    """Stack same-shape tensors into one new bf16 buffer (one multi-tensor cast-copy)."""
-    out = torch.empty(
-        (len(tensors), *tensors[0].shape), dtype=torch.bfloat16, device=tensors[0].device
-    )
-    torch._foreach_copy_(list(out.unbind(0)), list(tensors))
-    return out
+    """Stack same-shape tensors into one new bf16 buffer (one cast-while-copy launch)."""
+    first = tensors[0]
+    out = torch.empty((len(tensors), *first.shape), dtype=torch.bfloat16, device=first.device)
+    return torch.stack(list(tensors), out=out)
 
 
-def orthogonalize_stack(X: Tensor | Sequence[Tensor], spec: MatrixSpec) -> Tensor:
+def orthogonalize_stack(
+    X: Tensor | Sequence[Tensor], spec: MatrixSpec, out_dtype: torch.dtype | None = None
+) -> Tensor:
     """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
 
     ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
     buffer, which is then normalized in place). Returns a bf16 tensor ``(B, *param_shape)``.
     Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
-    ``param -= lr * result`` is the Muon update.
+    ``param -= lr * result`` is the Muon update. ``out_dtype`` casts the whole stack once (one
+    launch), which keeps the later multi-tensor update on its fast single-dtype path.
     """
+    result = _orthogonalize_stack(X, spec)
+    return result if out_dtype is None else result.to(out_dtype)
+
+
+def _orthogonalize_stack(X: Tensor | Sequence[Tensor], spec: MatrixSpec) -> Tensor:
+    """``orthogonalize_stack`` in bf16 (see there)."""
     if spec.compile:
         return compiled_orthogonalize_stack()(X, replace(spec, compile=False))
     scratch = not isinstance(X, Tensor)
