@@ -22,7 +22,6 @@ from torchtitan.tools.logging import logger
 
 from muon_plugin.torchtitan.config import MuonConfig
 from muon_plugin.torchtitan.rules import (
-    PARAM_CLASSES,
     RuleSet,
     build_param_groups,
     check_unused_patterns,
