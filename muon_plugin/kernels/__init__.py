@@ -1,0 +1,10 @@
+"""Fused / structure-aware kernels for the Muon optimizer (Triton optional)."""
+
+from muon_plugin.kernels.symmetric import (
+    gram,
+    symmetric_matmul,
+    triton_available,
+    use_symmetric_kernel,
+)
+
+__all__ = ["gram", "symmetric_matmul", "triton_available", "use_symmetric_kernel"]

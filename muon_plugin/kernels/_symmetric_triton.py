@@ -1,0 +1,242 @@
+"""Triton kernel for ``out = alpha * X @ X.mT + beta * C`` (symmetric rank-k update).
+
+This module imports triton at top level; import it only through
+``muon_plugin.kernels.symmetric``, which guards the import.
+
+Only the upper-triangle output tiles are launched (a linear program id is mapped
+onto the pairs ``(i, j)`` with ``i <= j``); each program computes its tile and
+stores it twice, once in place and once transposed into the mirrored lower
+position, so the result is exactly symmetric and costs half the FLOPs of a
+general matmul. ``TRITON_INTERPRET`` is read when this module is imported
+(``triton.jit`` reads it at decoration time).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Config used where autotuning is not wanted (the CPU interpreter, where it would be slow).
+INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+
+
+def _configs() -> list[triton.Config]:
+    # BLOCK_N must be a multiple of BLOCK_M. 128x128 / 128x256 with 8 warps (two
+    # warpgroups of wgmma) suit large m on Hopper; 64x64 gives more programs when m or the
+    # batch is small.
+    shapes = [
+        # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (128, 128, 64, 8, 5),
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (64, 64, 64, 4, 4),
+        (64, 64, 128, 4, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+@triton.jit
+def _upper_tile(pid, RATIO: tl.constexpr):
+    """Map a linear program id onto a tile (i, j) that holds part of the upper triangle.
+
+    Row tiles are BLOCK_M tall, column tiles BLOCK_N = RATIO * BLOCK_M wide; column tile j
+    meets the upper triangle in row tiles 0 .. RATIO * (j + 1) - 1. Programs are ordered
+    column by column, so j is the largest integer with RATIO * j * (j + 1) / 2 <= pid.
+    """
+    q = pid // RATIO
+    j = ((tl.sqrt(8.0 * q.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    # Correct a possible off-by-one from float rounding.
+    j = tl.where(j * (j + 1) // 2 > q, j - 1, j)
+    j = tl.where((j + 1) * (j + 2) // 2 <= q, j + 1, j)
+    i = pid - RATIO * (j * (j + 1) // 2)
+    return i, j
+
+
+@triton.jit
+def _syrk_kernel(
+    X,
+    C,
+    OUT,
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    tile_i, tile_j = _upper_tile(pid, BLOCK_N // BLOCK_M)
+    if tile_i * BLOCK_M >= M:  # only in the last column of tiles when BLOCK_N > BLOCK_M
+        return
+
+    offs_i = tile_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = tile_j * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_base = X + pid_b * stride_xb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EVEN_M:  # M is a multiple of BLOCK_N (and so of BLOCK_M): no row past M
+        ld_i = offs_i
+        ld_j = offs_j
+    else:
+        # Rows past M wrap onto valid rows, so the loads need no row mask; the garbage
+        # they produce lands in rows/cols >= M, which the stores mask out.
+        ld_i = offs_i % M
+        ld_j = offs_j % M
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_base + ld_i[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    b_ptrs = x_base + ld_j[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k[None, :] < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask, other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 as raw uint16 bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        b_ptrs += BLOCK_K * stride_xk
+
+    rows = offs_i[:, None]
+    cols = offs_j[None, :]
+    res = acc * alpha
+    if HAS_C:
+        # C is taken as symmetric: only its upper triangle is used (the tile is
+        # loaded whole, but the masks below keep only rows <= cols of it).
+        c_ptrs = C + pid_b * stride_cb + rows * stride_cm + cols * stride_cn
+        c = tl.load(c_ptrs, mask=(rows < M) & (cols < M), other=0.0)
+        res += beta * c.to(tl.float32)
+    res = res.to(OUT.dtype.element_ty)
+
+    o_base = OUT + pid_b * stride_ob
+    # Upper part: rows <= cols (the whole tile when it lies above the diagonal).
+    tl.store(o_base + rows * stride_om + cols * stride_on, res, mask=(rows <= cols) & (cols < M))
+    # Mirror: element (a, b) of the tile goes to (offs_j[b], offs_i[a]) when it is strictly
+    # upper; the lower part of a tile on the diagonal is left to the mirror of its upper
+    # part, so every element is written once and the output is exactly symmetric.
+    rows_t = offs_j[:, None]
+    cols_t = offs_i[None, :]
+    tl.store(
+        o_base + rows_t * stride_om + cols_t * stride_on,
+        tl.trans(res),
+        mask=(rows_t > cols_t) & (rows_t < M),
+    )
+
+
+_syrk_heuristic = triton.heuristics(
+    {
+        "EVEN_M": lambda args: args["M"] % args["BLOCK_N"] == 0,
+        "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+    }
+)(_syrk_kernel)
+syrk_autotuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C"])(_syrk_heuristic)
+
+# Autotuned configs by (M, K, HAS_C, X dtype, C dtype, DOT_PRECISION); after the first call
+# for a key the kernel is launched directly, skipping the autotuner's per-call overhead.
+_tuned: dict[tuple, dict] = {}
+
+
+def _num_programs(m: int, block_m: int, block_n: int) -> int:
+    t = triton.cdiv(m, block_n)
+    return (block_n // block_m) * t * (t + 1) // 2
+
+
+def launch(
+    X: torch.Tensor,
+    C: torch.Tensor | None,
+    out: torch.Tensor,
+    alpha: float,
+    beta: float,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Launch on 3-D tensors X (B, M, K), C (B, M, M) or None, out (B, M, M).
+
+    ``config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses
+    autotuning; the interpreter always uses a fixed config.
+    """
+    batch, m, k = X.shape
+    if X.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    has_c = C is not None
+    c_arg = C if has_c else out  # dummy pointer, never read
+    args = (
+        X,
+        c_arg,
+        out,
+        m,
+        k,
+        X.stride(0),
+        X.stride(1),
+        X.stride(2),
+        c_arg.stride(0),
+        c_arg.stride(1),
+        c_arg.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        float(alpha),
+        float(beta),
+    )
+    flags = {"HAS_C": has_c, "DOT_PRECISION": precision}
+    if INTERPRET:
+        flags["UPCAST"] = X.dtype == torch.bfloat16
+        config = config or INTERPRET_CONFIG
+    else:
+        flags["UPCAST"] = False
+    key = (m, k, has_c, X.dtype, c_arg.dtype, precision)
+    if config is None:
+        config = _tuned.get(key)
+    if config is None:
+        grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
+        syrk_autotuned[grid](*args, **flags)
+        best = syrk_autotuned.best_config
+        _tuned[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    else:
+        grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
+        _syrk_kernel[grid](
+            *args,
+            **flags,
+            EVEN_M=m % config["BLOCK_N"] == 0,
+            EVEN_K=k % config["BLOCK_K"] == 0,
+            **config,
+        )
+    return out
+
+
+def best_config(X: torch.Tensor, has_c: bool = False) -> dict | None:
+    """The autotuned config chosen for X's shape/dtype, if it has been tuned."""
+    m, k = X.shape[-2:]
+    for key, cfg in _tuned.items():
+        if key[:4] == (m, k, has_c, X.dtype):
+            return cfg
+    return None

@@ -1,0 +1,179 @@
+"""Symmetric products ``alpha * X @ X.mT + beta * C`` for the Newton-Schulz / Polar Express step.
+
+Each Muon orthogonalization step on X (B, m, n), m <= n, computes ``A = X @ X.mT`` and
+``B = b*A + c*(A @ A)``; both are products of a matrix with its own transpose, whose result
+is symmetric. The Triton kernel computes only the upper-triangle tiles and mirrors them,
+halving the FLOPs; ``gram`` picks it where it beats cuBLAS and falls back to torch elsewhere.
+
+Triton is optional: it is imported lazily, and ``import muon_plugin.kernels`` never fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["gram", "symmetric_matmul", "triton_available", "use_symmetric_kernel"]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_LAUNCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True if triton imports (any import failure counts as unavailable); cached."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def _triton_module() -> ModuleType:
+    """The kernel module, imported on first use (triton.jit runs at that point)."""
+    if not triton_available():
+        raise RuntimeError("symmetric_matmul needs triton, which could not be imported")
+    from muon_plugin.kernels import _symmetric_triton
+
+    return _symmetric_triton
+
+
+def use_symmetric_kernel(m: int, k: int, batch: int = 1) -> bool:
+    """Whether the Triton kernel is expected to beat cuBLAS for X of shape (batch, m, k).
+
+    The kernel does half the FLOPs at a lower per-FLOP rate than cuBLAS (and launches more
+    slowly), so it pays only for large products with a long reduction (k >= 4096) and enough
+    output tiles to fill the GPU. Measured on an H200 (bf16, eager, ``do_bench``): it wins
+    at (4096, 4096) 1.10x, (16, 1024, 4096) 1.08x, (2, 2048, 8192) 1.06x (each 2**36
+    multiply-adds), (4, 4096, 4096) 1.33x, (4096, 14336) 1.60x, (8192, 8192) 1.52x; cuBLAS
+    wins at (2048, 8192) 0.86x, (8, 2048, 2048) 0.87x (k short), (1024, 65536) 0.78x (too few
+    tiles), (2048, 2048), (1024, 4096), (32, 1024, 1024); (64, 512, 4096) is a tie.
+    Re-tune with ``scripts/bench_kernels.py``.
+    """
+    return m >= 1024 and k >= 4096 and batch * m * m * k >= 2**36 and batch * m * m >= 2**23
+
+
+def _flatten(X: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """View X (..., m, k) as 3-D (B, m, k); also return the leading batch shape."""
+    if X.dim() < 2:
+        raise ValueError(f"expected a tensor of at least 2 dims, got shape {tuple(X.shape)}")
+    return X.reshape(-1, *X.shape[-2:]), tuple(X.shape[:-2])
+
+
+def _check_c(C: torch.Tensor, X: torch.Tensor) -> None:
+    m = X.shape[-2]
+    if C.shape[-2:] != (m, m) or C.dim() > X.dim():
+        raise ValueError(f"C has shape {tuple(C.shape)}, expected (..., {m}, {m})")
+    if C.device != X.device:
+        raise ValueError(f"C is on {C.device}, X on {X.device}")
+
+
+def symmetric_matmul(
+    X: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    C: torch.Tensor | None = None,
+    beta: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``alpha * X @ X.mT + beta * C`` with the Triton kernel; X is (m, k) or (..., m, k).
+
+    Accumulates in fp32 and returns X.dtype. Only upper-triangle tiles are computed and then
+    mirrored, so the output is exactly symmetric. C, if given, is (..., m, m) (broadcast over
+    the batch) and is taken as symmetric: only its upper triangle is read. ``out`` must not
+    overlap X or C. Needs a GPU that Triton supports, or TRITON_INTERPRET=1 set before the
+    first call (then CPU tensors work, slowly).
+    """
+    if X.dtype not in _LAUNCH_DTYPES:
+        raise TypeError(f"symmetric_matmul supports bf16/fp16/fp32, got {X.dtype}")
+    mod = _triton_module()
+    if not (X.is_cuda or mod.INTERPRET):
+        raise RuntimeError(
+            "symmetric_matmul needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU)"
+        )
+    if X.dim() < 2:
+        raise ValueError(f"expected a tensor of at least 2 dims, got shape {tuple(X.shape)}")
+    m, k = X.shape[-2:]
+    out_shape = (*X.shape[:-1], m)
+    X3 = X if X.dim() == 3 else X.reshape(-1, m, k)
+
+    C3 = None
+    if C is not None:
+        _check_c(C, X)
+        # A C with fewer dims broadcasts over the batch (stride 0, no copy).
+        C3 = C if C.dim() == 3 == X.dim() else C.expand(out_shape).reshape(-1, m, m)
+
+    if out is None:
+        out = torch.empty(out_shape, dtype=X.dtype, device=X.device)
+    else:
+        if tuple(out.shape) != out_shape or out.dtype != X.dtype or out.device != X.device:
+            raise ValueError(
+                f"out must be {out_shape} {X.dtype} on {X.device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        out_ptr = out.untyped_storage().data_ptr()
+        for name, t in (("X", X), ("C", C)):
+            if t is not None and t.untyped_storage().data_ptr() == out_ptr:
+                raise ValueError(f"out must not share memory with {name}")
+    if out.numel():  # k == 0 is fine: the kernel's loop does not run, leaving beta * C
+        mod.launch(X3, C3, out if out.dim() == 3 else out.view(-1, m, m), alpha, beta)
+    return out
+
+
+def _torch_gram(X: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: float) -> torch.Tensor:
+    """The cuBLAS / CPU path: same shapes and dtypes as the kernel."""
+    if X.dim() == 2:
+        if C is None:
+            if alpha == 1:
+                return torch.mm(X, X.mT)
+            C, beta = X.new_empty(X.shape[0], X.shape[0]), 0.0
+        return torch.addmm(C, X, X.mT, beta=beta, alpha=alpha)
+    X3, lead = _flatten(X)
+    m = X3.shape[1]
+    if C is None:
+        if alpha == 1:
+            res = torch.bmm(X3, X3.mT)
+        else:
+            empty = X3.new_empty(X3.shape[0], m, m)
+            res = torch.baddbmm(empty, X3, X3.mT, beta=0.0, alpha=alpha)
+    else:
+        C3 = C if X.dim() == 3 else C.expand(*lead, m, m).reshape(-1, m, m)
+        res = torch.baddbmm(C3, X3, X3.mT, beta=beta, alpha=alpha)
+    return res.view(*lead, m, m)
+
+
+def _kernel_enabled() -> bool:
+    return os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") != "1" and triton_available()
+
+
+def gram(
+    X: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    C: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """``alpha * X @ X.mT + beta * C`` for X (m, k) or (..., m, k); the optimizer's entry point.
+
+    Uses the Triton kernel (see ``symmetric_matmul``; C must then be symmetric) for bf16/fp16
+    CUDA tensors in the shape region where it beats cuBLAS (``use_symmetric_kernel``), unless
+    triton is missing or MUON_PLUGIN_DISABLE_TRITON=1. Otherwise ``torch.mm``/``bmm``/``addmm``/
+    ``baddbmm``, which accept any C. Both paths return X.dtype, shape (..., m, m).
+    """
+    if C is not None:
+        _check_c(C, X)
+    if (
+        X.is_cuda
+        and X.dtype in _KERNEL_DTYPES
+        and X.dim() >= 2
+        and _kernel_enabled()
+        and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]))
+    ):
+        return symmetric_matmul(X, alpha=alpha, C=C, beta=beta)
+    return _torch_gram(X, alpha, C, beta)
