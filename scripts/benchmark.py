@@ -1,0 +1,1268 @@
+#!/usr/bin/env python
+"""Benchmark muon_plugin: symmetric kernels, the orthogonalization loop, optimizer.step(), memory.
+
+One run, one process. Sections (``--sections``, default all):
+
+1. ``kernels``: the Triton symmetric Gram kernel ``symmetric_matmul(X)`` against cuBLAS
+   ``X @ X.mT`` (bf16), what the ``gram`` dispatcher picks and whether it is ever slower than
+   cuBLAS, and the epilogue form ``c * A @ A + b * A`` on the square Gram matrices.
+2. ``ortho``: ``zeropower`` per strategy (polar_express, newton_schulz; 5 steps), ms and achieved
+   TFLOP/s (plain-matmul count: ``4 m^2 n + 2 m^3`` per step, m <= n) against a bf16 matmul
+   peak measured in the same run.
+3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
+   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, compiled), torch's
+   Muon, a naive per-parameter reference Muon, fused AdamW, the elementwise part of our step
+   alone, and any importable peer (dion, muonium, dtensor_muon).
+4. ``memory``: optimizer-state bytes (per parameter) and the peak allocated memory of a step.
+
+On a CUDA GPU the full sizes are used (``--quick``: small ones); on the CPU small shapes (matrix
+dims / 16, fewer layers) so the whole run takes well under a minute, and the Triton-only columns
+are skipped. Timing: ``triton.testing.do_bench`` medians (CUDA events when triton is missing),
+``optimizer.step()`` timed step by step with CUDA events after warm-up (median);
+``time.perf_counter`` medians on the CPU.
+
+    python scripts/benchmark.py [--quick] [--sections kernels,ortho,step,memory]
+        [--results RESULTS.md | --no-results] [--json rows.json] [--device auto|cpu|cuda]
+
+Writes its own section of RESULTS.md (between ``<!-- benchmark:start -->`` and
+``<!-- benchmark:end -->``), keeping everything else in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import muon_plugin  # noqa: E402
+from muon_plugin import Muon, MuonForeach, zeropower  # noqa: E402
+
+SECTIONS = ("kernels", "ortho", "step", "memory")
+MARK_START = "<!-- benchmark:start -->"
+MARK_END = "<!-- benchmark:end -->"
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (a, b, c)
+LR, WD = 1e-3, 0.1
+
+# Peer numbers measured on one H200 (shared/notes/anchors.md), for the summary of a full GPU run.
+ANCHORS_MS = {
+    "llama3-8b-4L": {
+        "torch.optim.Muon (2.11)": 146.0,
+        "naive per-parameter": 159.0,
+        "fused AdamW": 7.2,
+        "muonium newton_schulz": 126.0,
+        "dion Muon, Triton (best)": 113.0,
+    },
+    "gpt-125m": {
+        "torch.optim.Muon (2.11)": 37.1,
+        "naive per-parameter": 51.6,
+        "fused AdamW": 1.0,
+        "muonium": 9.2,
+        "dion Muon, torch NS (best)": 5.1,
+    },
+}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes and repetition counts of one run."""
+
+    full: bool  # the real sizes (GPU, not --quick)
+    div: int  # matrix dims are divided by this
+    llama_layers: int
+    gpt_layers: int
+    peak_n: int  # n of the n^3 bf16 matmul that measures the peak
+    step_warmup: int
+    step_iters_large: int  # timed steps, Llama workload
+    step_iters_small: int  # timed steps, GPT workload
+    compile_row: bool
+
+
+def make_config(cuda: bool, quick: bool, compile_flag: bool | None) -> Config:
+    if cuda and not quick:
+        return Config(True, 1, 4, 12, 8192, 3, 8, 20, compile_flag is not False)
+    if quick:  # the CI smoke test: every row, as little work as possible
+        return Config(False, 16, 1, 3, 512, 1, 3, 3, bool(compile_flag))
+    return Config(False, 16, 2, 6, 512, 1, 5, 5, bool(compile_flag))
+
+
+def scale_shape(shape: tuple[int, ...], div: int) -> tuple[int, ...]:
+    """Divide the two matrix dims by ``div`` (batch dims are kept)."""
+    return (*shape[:-2], max(1, shape[-2] // div), max(1, shape[-1] // div))
+
+
+def fmt_shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Median time of a callable: do_bench / CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.do_bench = None
+        if self.cuda:
+            try:
+                import triton.testing
+
+                self.do_bench = triton.testing.do_bench
+            except Exception:
+                self.do_bench = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def bench(self, fn: Callable[[], Any], *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+        """Median ms of ``fn()``; the first call (autotuning, compilation) is excluded."""
+        fn()
+        self.sync()
+        if self.do_bench is not None:
+            return float(self.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        if self.cuda:
+            times = []
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            deadline = time.perf_counter() + rep_ms / 1e3
+            while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 1000):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            return statistics.median(times)
+        times = []
+        deadline = time.perf_counter() + min(rep_ms, 60) / 1e3
+        while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def time_step(self, step: Callable[[], Any]) -> float:
+        """One call of ``step`` in isolation (GPU idle before), in ms."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e)
+        t0 = time.perf_counter()
+        step()
+        return (time.perf_counter() - t0) * 1e3
+
+    def wall(self, step: Callable[[], Any]) -> float:
+        """Wall-clock ms of ``step`` including the device catching up (first steps)."""
+        self.sync()
+        t0 = time.perf_counter()
+        step()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- section 1: kernels
+
+KERNEL_SHAPES = [
+    (4096, 4096),
+    (4096, 14336),
+    (1024, 4096),
+    (32, 1024, 1024),
+    (8, 2048, 2048),
+    (128, 256, 256),
+]
+
+
+def _kernel_module():
+    """(symmetric module, symmetric_matmul usable here?, why not)."""
+    from muon_plugin.kernels import symmetric as S
+
+    if not torch.cuda.is_available():
+        return S, False, "no CUDA"
+    if not S.triton_available():
+        return S, False, "triton not importable"
+    if os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") == "1":
+        return S, False, "MUON_PLUGIN_DISABLE_TRITON=1"
+    return S, True, ""
+
+
+@contextlib.contextmanager
+def spy_symmetric(S) -> Iterator[list[int]]:
+    """Count the calls ``gram`` makes to the Triton path (to see what it dispatched to)."""
+    calls = [0]
+    orig = S.symmetric_matmul
+
+    def spy(*args, **kwargs):
+        calls[0] += 1
+        return orig(*args, **kwargs)
+
+    S.symmetric_matmul = spy
+    try:
+        yield calls
+    finally:
+        S.symmetric_matmul = orig
+
+
+def torch_product(X: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: float):
+    """The plain cuBLAS call: X @ X.mT, or addmm/baddbmm for the epilogue form."""
+    if C is None:
+        return X @ X.mT
+    if X.dim() == 2:
+        return torch.addmm(C, X, X.mT, beta=beta, alpha=alpha)
+    return torch.baddbmm(C, X, X.mT, beta=beta, alpha=alpha)
+
+
+def kernel_case(
+    kind: str, shape: tuple[int, ...], X: torch.Tensor, timer: Timer, S, use_triton: bool
+) -> dict:
+    from muon_plugin.kernels import gram
+
+    m, k = X.shape[-2:]
+    batch = math.prod(X.shape[:-2])
+    if kind == "gram":
+        alpha, beta, C = 1.0, 0.0, None
+        ref = X.float() @ X.float().mT
+        flops = 2.0 * batch * m * m * k
+    else:
+        _, b, c = NS_COEFFS
+        alpha, beta, C = c, b, X
+        ref = alpha * (X.float() @ X.float().mT) + beta * X.float()
+        flops = 2.0 * batch * m * m * k
+    row: dict[str, Any] = {
+        "section": "kernels",
+        "kind": kind,
+        "shape": fmt_shape(shape),
+        "batch": batch,
+        "m": m,
+        "k": k,
+    }
+    row["cublas_ms"] = timer.bench(lambda: torch_product(X, alpha, C, beta))
+    row["cublas_tflops"] = flops / row["cublas_ms"] * 1e-9
+    with spy_symmetric(S) as calls:
+        out = gram(X, alpha=alpha, C=C, beta=beta)
+    row["dispatch"] = "triton" if calls[0] else "torch"
+    row["gram_err"] = rel_err(out, ref)
+    row["gram_ms"] = timer.bench(lambda: gram(X, alpha=alpha, C=C, beta=beta))
+    if use_triton:
+        out = S.symmetric_matmul(X, alpha=alpha, C=C, beta=beta)
+        row["triton_err"] = rel_err(out, ref)
+        row["triton_symmetric"] = bool(torch.equal(out, out.mT))
+        row["triton_ms"] = timer.bench(lambda: S.symmetric_matmul(X, alpha=alpha, C=C, beta=beta))
+        row["triton_tflops_equiv"] = flops / row["triton_ms"] * 1e-9
+        row["speedup_triton"] = row["cublas_ms"] / row["triton_ms"]
+        row["faster"] = "triton" if row["triton_ms"] < row["cublas_ms"] else "torch"
+        row["dispatch_right"] = row["dispatch"] == row["faster"]
+    else:
+        row["triton_ms"] = None
+        row["faster"] = None
+        row["dispatch_right"] = None
+    # The rule that matters: dispatching must never cost more than plain cuBLAS (5% noise).
+    row["gram_vs_cublas"] = row["gram_ms"] / row["cublas_ms"]
+    row["dispatch_ok"] = row["gram_ms"] <= 1.05 * row["cublas_ms"] or (
+        row["dispatch"] == "torch"  # same call as the baseline: differences are noise
+    )
+    return row
+
+
+def section_kernels(cfg: Config, device: torch.device, timer: Timer, log) -> list[dict]:
+    S, use_triton, why = _kernel_module()
+    if device.type != "cuda":
+        use_triton, why = False, "no CUDA"
+    if not use_triton:
+        log(f"  (Triton symmetric kernel skipped: {why}; timing torch and the dispatcher only)")
+    rows = []
+    shapes = [scale_shape(s, cfg.div) for s in KERNEL_SHAPES]
+    square: list[tuple[int, ...]] = []
+    for shape in shapes:
+        sq = (*shape[:-1], shape[-2])
+        if sq not in square:
+            square.append(sq)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = [("gram", s) for s in shapes] + [("epilogue", s) for s in square]
+    for kind, shape in cases:
+        try:
+            X = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+            X = (X / math.sqrt(shape[-1])).to(torch.bfloat16)  # X X^T has O(1) entries
+            if kind == "epilogue":
+                A = X.float() @ X.float().mT
+                X = ((A + A.mT) * 0.5).to(torch.bfloat16)  # exactly symmetric
+            row = kernel_case(kind, shape, X, timer, S, use_triton)
+            if not use_triton:
+                row["note"] = f"triton kernel skipped: {why}"
+        except Exception as e:
+            row = {"section": "kernels", "kind": kind, "shape": fmt_shape(shape), "error": repr(e)}
+            traceback.print_exc()
+        rows.append(row)
+        log("  " + kernel_line(row))
+        free_memory()
+    return rows
+
+
+def kernel_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['kind']:>8} {r['shape']:>14}  ERROR {r['error'][:90]}"
+    tri = f"{r['triton_ms']:8.4f}" if r.get("triton_ms") is not None else f"{'n/a':>8}"
+    right = {True: "yes", False: "NO", None: "-"}[r.get("dispatch_right")]
+    return (
+        f"{r['kind']:>8} {r['shape']:>14} cuBLAS {r['cublas_ms']:8.4f}  triton {tri}  "
+        f"gram {r['gram_ms']:8.4f} -> {r['dispatch']:<6} faster-choice:{right:>3}  "
+        f"never-slower:{'yes' if r['dispatch_ok'] else 'NO'}"
+    )
+
+
+# ----------------------------------------------------------------------------- section 2: ortho
+
+ORTHO_SHAPES = [(4096, 4096), (1024, 4096), (4096, 14336), (8, 1024, 1024)]
+
+
+def ns_flops(shape: tuple[int, ...], steps: int = 5) -> float:
+    """Plain-matmul FLOPs of ``steps`` iterations on a (batch of) m x n matrix."""
+    batch = math.prod(shape[:-2])
+    m, n = sorted(shape[-2:])
+    return batch * steps * (4.0 * m * m * n + 2.0 * m**3)
+
+
+def measure_peak(cfg: Config, device: torch.device, timer: Timer) -> dict:
+    n = cfg.peak_n
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = timer.bench(lambda: torch.mm(a, b))
+    return {
+        "section": "peak",
+        "name": f"bf16 matmul {n}^3",
+        "ms": ms,
+        "tflops": 2.0 * n**3 / ms * 1e-9,
+    }
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, log) -> list[dict]:
+    S, use_triton, _ = _kernel_module()
+    use_triton = use_triton and device.type == "cuda"
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    for shape in (scale_shape(s, cfg.div) for s in ORTHO_SHAPES):
+        G = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)  # fp32, as
+        flops = ns_flops(shape)  # the optimizer hands over momentum directions
+        variants: list[tuple[str, Callable[[], Any], dict]] = [
+            ("polar_express", lambda G=G: zeropower(G, 5, "polar_express"), {}),
+            ("newton_schulz", lambda G=G: zeropower(G, 5, "newton_schulz"), {}),
+        ]
+        if use_triton:
+            variants.append(
+                (
+                    "polar_express, cuBLAS only",
+                    lambda G=G: zeropower(G, 5, "polar_express"),
+                    {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+                )
+            )
+        variants.append(("naive eager NS (reference)", lambda G=G: naive_newton_schulz(G, 5), {}))
+        for name, fn, env in variants:
+            row: dict[str, Any] = {"section": "ortho", "shape": fmt_shape(shape), "name": name}
+            try:
+                with contextlib.ExitStack() as stack:
+                    for k, v in env.items():
+                        stack.enter_context(env_var(k, v))
+                    ms = timer.bench(fn)
+                row.update(ms=ms, tflops=flops / ms * 1e-9, flops=flops)
+                row["pct_peak"] = 100.0 * row["tflops"] / peak["tflops"]
+                row["floor_ms"] = flops / (peak["tflops"] * 1e9)
+            except Exception as e:
+                row["error"] = repr(e)
+                traceback.print_exc()
+            rows.append(row)
+            log("  " + ortho_line(row))
+        del G
+        free_memory()
+    return rows
+
+
+def ortho_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['shape']:>14} {r['name']:<28} ERROR {r['error'][:90]}"
+    return (
+        f"{r['shape']:>14} {r['name']:<28} {r['ms']:9.3f} ms  {tf(r['tflops']):>7} TFLOP/s  "
+        f"{r['pct_peak']:5.1f}% of peak (floor {r['floor_ms']:.3f} ms)"
+    )
+
+
+# ----------------------------------------------------------------------------- reference Muon
+
+
+def naive_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Eager bf16 quintic Newton-Schulz, the way Muon's reference code writes it."""
+    a, b, c = NS_COEFFS
+    X = G.bfloat16()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X
+
+
+class NaiveMuon(torch.optim.Optimizer):
+    """Per-parameter reference Muon: momentum + Nesterov, eager NS, decoupled weight decay."""
+
+    def __init__(self, params, lr=LR, weight_decay=WD, momentum=0.95, nesterov=True, ns_steps=5):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+            ),
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)
+                direction = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+                update = naive_newton_schulz(direction, group["ns_steps"])
+                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)
+
+
+# ----------------------------------------------------------------------------- section 3/4: step
+
+
+def llama_shapes(layers: int, div: int) -> list[tuple[str, tuple[int, int]]]:
+    per_layer = [
+        ("wq", (4096, 4096)),
+        ("wk", (1024, 4096)),
+        ("wv", (1024, 4096)),
+        ("wo", (4096, 4096)),
+        ("w1", (14336, 4096)),
+        ("w3", (14336, 4096)),
+        ("w2", (4096, 14336)),
+    ]
+    return [(f"layers.{i}.{n}", scale_shape(s, div)) for i in range(layers) for n, s in per_layer]
+
+
+def gpt_shapes(layers: int, div: int) -> list[tuple[str, tuple[int, int]]]:
+    d = 768
+    per_layer = [
+        ("q", (d, d)),
+        ("k", (d, d)),
+        ("v", (d, d)),
+        ("o", (d, d)),
+        ("fc", (4 * d, d)),
+        ("proj", (d, 4 * d)),
+    ]
+    return [(f"h.{i}.{n}", scale_shape(s, div)) for i in range(layers) for n, s in per_layer]
+
+
+@dataclass
+class Workload:
+    name: str
+    params: list[torch.nn.Parameter]
+    iters: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def flops(self) -> float:
+        return sum(ns_flops(tuple(p.shape)) for p in self.params)
+
+
+def make_workload(name: str, shapes, device: torch.device, iters: int) -> Workload:
+    gen = torch.Generator(device=device).manual_seed(2)
+    params = []
+    for _, shape in shapes:
+        p = torch.nn.Parameter(
+            torch.randn(shape, device=device, dtype=torch.float32, generator=gen) * 0.02
+        )
+        p.grad = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+        params.append(p)
+    return Workload(name, params, iters)
+
+
+@contextlib.contextmanager
+def identity_orthogonalization() -> Iterator[list[int]]:
+    """Replace the plan's orthogonalization by a bf16 cast: what is left is the elementwise step."""
+    from muon_plugin.distributed import plan as plan_mod
+
+    cls = plan_mod.OrthogonalizationPlan
+    orig = cls.run
+    calls = [0]
+
+    def run(self, updates):
+        calls[0] += 1
+        return [u.to(torch.bfloat16) for u in updates]
+
+    cls.run = run
+    try:
+        yield calls
+    finally:
+        cls.run = orig
+
+
+@dataclass
+class Row:
+    name: str
+    group: str  # "ours", "torch", "reference", "peer", "elementwise"
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
+    context: Callable[[], contextlib.AbstractContextManager] | None = None
+    skip: str | None = None
+    required: bool = False  # an error here makes the script exit non-zero
+
+
+def peer_rows() -> list[Row]:
+    rows = []
+    candidates = [
+        ("dion", ["Muon"]),
+        ("muonium", ["Muon", "MuonForeach"]),
+        ("dtensor_muon", ["Muon", "MuonForeach"]),
+    ]
+    for module, classes in candidates:
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:
+            rows.append(
+                Row(f"{module}.Muon", "peer", None, skip=f"not importable ({type(e).__name__})")
+            )
+            continue
+        found = False
+        for cls_name in classes:
+            cls = getattr(mod, cls_name, None)
+            if cls is None:
+                continue
+            found = True
+            rows.append(Row(f"{module}.{cls_name}", "peer", lambda ps, cls=cls: cls(ps, lr=LR)))
+        if not found:
+            rows.append(Row(f"{module}", "peer", None, skip=f"no class among {classes}"))
+    return rows
+
+
+def optimizer_rows(cfg: Config) -> list[Row]:
+    rows = [
+        Row(
+            "MuonForeach (polar_express)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            required=True,
+        ),
+        Row(
+            "MuonForeach (newton_schulz)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, orthogonalization_strategy="newton_schulz"),
+            required=True,
+        ),
+        Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),
+        Row(
+            "MuonForeach(compile=True)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, compile=True),
+            skip=None if cfg.compile_row else "skipped on small runs (use --compile)",
+        ),
+    ]
+    if hasattr(torch.optim, "Muon"):
+        rows.append(
+            Row(
+                "torch.optim.Muon", "torch", lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD)
+            )
+        )
+    else:
+        rows.append(Row("torch.optim.Muon", "torch", None, skip="not in this torch"))
+    rows.append(Row("naive reference Muon", "reference", lambda ps: NaiveMuon(ps)))
+
+    def adamw(ps):
+        try:
+            return torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)
+        except (RuntimeError, ValueError):
+            return torch.optim.AdamW(ps, lr=LR, weight_decay=WD, foreach=True)
+
+    rows.append(Row("AdamW(fused=True)", "torch", adamw))
+    rows.append(
+        Row(
+            "MuonForeach elementwise only",
+            "elementwise",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            context=identity_orthogonalization,
+            required=True,
+        )
+    )
+    rows += peer_rows()
+    return rows
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    seen: set[int] = set()
+    total = 0
+
+    def walk(v):
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            key = v.untyped_storage().data_ptr() if v.device.type != "meta" else id(v)
+            if v.numel() and key in seen:
+                return
+            seen.add(key)
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    for st in opt.state.values():
+        walk(st)
+    return total
+
+
+def run_row(row: Row, wl: Workload, cfg: Config, timer: Timer, timed: bool, mem: bool) -> dict:
+    out: dict[str, Any] = {"workload": wl.name, "name": row.name, "group": row.group}
+    if row.skip:
+        out["skipped"] = row.skip
+        return out
+    cuda = timer.cuda
+    opt = None
+    try:
+        with contextlib.ExitStack() as stack:
+            calls = stack.enter_context(row.context()) if row.context else None
+            opt = row.make(wl.params)
+            if cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            out["first_step_ms"] = timer.wall(opt.step)
+            if cuda:
+                out["first_step_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            for _ in range(cfg.step_warmup - 1):
+                opt.step()
+            timer.sync()
+            if timed:
+                times = [timer.time_step(opt.step) for _ in range(wl.iters)]
+                out["ms"] = statistics.median(times)
+                out["min_ms"] = min(times)
+                out["iters"] = len(times)
+            if mem or timed:
+                sb = state_bytes(opt)
+                out["state_mib"] = sb / 2**20
+                out["state_bytes_per_param"] = sb / wl.n_params
+            if mem and cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                opt.step()
+                torch.cuda.synchronize()
+                out["step_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            if calls is not None and calls[0] == 0:
+                raise RuntimeError("the identity orthogonalization patch was never called")
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        if row.group != "peer":
+            traceback.print_exc()
+    finally:
+        del opt
+        free_memory()
+    return out
+
+
+def add_ratios(rows: list[dict]) -> None:
+    by = {r["name"]: r for r in rows}
+    ref_torch = by.get("torch.optim.Muon", {}).get("ms")
+    ref_naive = by.get("naive reference Muon", {}).get("ms")
+    adamw = by.get("AdamW(fused=True)", {}).get("ms")
+    for r in rows:
+        if r.get("ms") is None:
+            continue
+        r["speedup_vs_torch"] = ref_torch / r["ms"] if ref_torch else None
+        r["speedup_vs_naive"] = ref_naive / r["ms"] if ref_naive else None
+        if r["name"] == "MuonForeach elementwise only" and adamw:
+            r["vs_fused_adamw"] = r["ms"] / adamw
+            r["within_2x_adamw"] = r["ms"] <= 2.0 * adamw
+
+
+def section_step(
+    cfg: Config, device: torch.device, timer: Timer, peak: dict | None, timed: bool, mem: bool, log
+) -> tuple[list[dict], list[dict]]:
+    if cfg.compile_row:
+        with contextlib.suppress(Exception):
+            import torch._dynamo
+
+            for attr in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, attr):
+                    setattr(
+                        torch._dynamo.config, attr, max(64, getattr(torch._dynamo.config, attr))
+                    )
+    specs = [
+        (
+            "llama3-8b-4L" if cfg.full else f"llama3-8b-{cfg.llama_layers}L/{cfg.div}",
+            llama_shapes(cfg.llama_layers, cfg.div),
+            cfg.step_iters_large,
+        ),
+        (
+            "gpt-125m" if cfg.full else f"gpt-125m-{cfg.gpt_layers}L/{cfg.div}",
+            gpt_shapes(cfg.gpt_layers, cfg.div),
+            cfg.step_iters_small,
+        ),
+    ]
+    step_rows: list[dict] = []
+    mem_rows: list[dict] = []
+    for wl_name, shapes, iters in specs:
+        wl = make_workload(wl_name, shapes, device, iters)
+        floor = (wl.flops / (peak["tflops"] * 1e9)) if peak else None
+        log(
+            f"  workload {wl.name}: {len(wl.params)} matrices, {wl.n_params / 1e6:.1f} M params, "
+            f"{wl.flops / 1e12:.3f} TFLOP per Muon step"
+            + (f", plain-matmul floor {floor:.2f} ms" if floor else "")
+        )
+        rows = []
+        for row in optimizer_rows(cfg):
+            r = run_row(row, wl, cfg, timer, timed, mem)
+            r["required"] = row.required
+            r["n_params"] = wl.n_params
+            r["n_matrices"] = len(wl.params)
+            r["floor_ms"] = floor
+            rows.append(r)
+            log("    " + step_line(r))
+        add_ratios(rows)
+        for r in rows:
+            base = {k: r[k] for k in ("workload", "name", "group") if k in r}
+            if timed:
+                step_rows.append({"section": "step", **r})
+            if mem:
+                m = {"section": "memory", **base}
+                for k in (
+                    "state_mib",
+                    "state_bytes_per_param",
+                    "step_peak_mib",
+                    "first_step_peak_mib",
+                    "skipped",
+                    "error",
+                    "required",
+                ):
+                    if k in r:
+                        m[k] = r[k]
+                mem_rows.append(m)
+        del wl
+        free_memory()
+    return step_rows, mem_rows
+
+
+def step_line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['name']:<30} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{r['name']:<30} ERROR {r['error'][:100]}"
+    parts = [f"{r['name']:<30}"]
+    if "ms" in r:
+        parts.append(f"{r['ms']:9.3f} ms (min {r['min_ms']:.3f})")
+    parts.append(f"first step {r['first_step_ms']:9.1f} ms")
+    if "state_bytes_per_param" in r:
+        parts.append(f"state {r['state_bytes_per_param']:.2f} B/param")
+    if "step_peak_mib" in r:
+        parts.append(f"step peak +{r['step_peak_mib']:.0f} MiB")
+    return "  ".join(parts)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def tf(x: float) -> str:
+    """TFLOP/s with sensible digits (a CPU reaches well under 1)."""
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def fmt(v: Any, spec: str = ".3f", none: str = "-") -> str:
+    if v is None:
+        return none
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return none
+        return format(v, spec)
+    return str(v)
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def kernel_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    h = [
+        "form",
+        "shape",
+        "cuBLAS ms",
+        "triton ms",
+        "triton speedup",
+        "gram ms",
+        "dispatch",
+        "faster",
+        "gram/cuBLAS",
+        "never slower",
+        "triton err",
+        "exact sym",
+    ]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["kind"], r["shape"], "ERROR " + r["error"][:60]] + [""] * 9)
+            continue
+        body.append(
+            [
+                "X X^T" if r["kind"] == "gram" else "c*AA+b*A",
+                r["shape"],
+                fmt(r["cublas_ms"], ".4f"),
+                fmt(r.get("triton_ms"), ".4f"),
+                fmt(r.get("speedup_triton"), ".2f"),
+                fmt(r["gram_ms"], ".4f"),
+                r["dispatch"],
+                fmt(r.get("faster")),
+                fmt(r["gram_vs_cublas"], ".2f"),
+                fmt(r["dispatch_ok"]),
+                fmt(r.get("triton_err"), ".1e"),
+                fmt(r.get("triton_symmetric")),
+            ]
+        )
+    return h, body
+
+
+def ortho_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    h = ["shape", "variant", "ms", "TFLOP/s", "% of peak", "plain-matmul floor ms"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["shape"], r["name"], "ERROR " + r["error"][:60], "", "", ""])
+            continue
+        body.append(
+            [
+                r["shape"],
+                r["name"],
+                fmt(r["ms"]),
+                tf(r["tflops"]),
+                fmt(r["pct_peak"], ".1f"),
+                fmt(r["floor_ms"]),
+            ]
+        )
+    return h, body
+
+
+def step_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    h = [
+        "workload",
+        "optimizer",
+        "step ms (median)",
+        "x faster than torch.optim.Muon",
+        "x faster than naive",
+        "first step ms",
+        "note",
+    ]
+    body = []
+    for r in rows:
+        note = r.get("skipped") or (("ERROR " + r["error"][:60]) if "error" in r else "")
+        if r.get("vs_fused_adamw") is not None:
+            note = f"{r['vs_fused_adamw']:.2f}x fused AdamW"
+        body.append(
+            [
+                r["workload"],
+                r["name"],
+                fmt(r.get("ms")),
+                fmt(r.get("speedup_vs_torch"), ".2f"),
+                fmt(r.get("speedup_vs_naive"), ".2f"),
+                fmt(r.get("first_step_ms"), ".1f"),
+                note,
+            ]
+        )
+    return h, body
+
+
+def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    h = [
+        "workload",
+        "optimizer",
+        "state MiB",
+        "state B/param",
+        "steady step peak MiB (delta)",
+        "first step peak MiB (delta)",
+    ]
+    body = []
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            continue
+        body.append(
+            [
+                r["workload"],
+                r["name"],
+                fmt(r.get("state_mib"), ".1f"),
+                fmt(r.get("state_bytes_per_param"), ".2f"),
+                fmt(r.get("step_peak_mib"), ".0f"),
+                fmt(r.get("first_step_peak_mib"), ".0f"),
+            ]
+        )
+    return h, body
+
+
+def text_table(headers: list[str], body: list[list[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
+def meta_info(args, device: torch.device, cfg: Config, argv: list[str]) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "not importable"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": gpu
+        or f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "muon_plugin": getattr(muon_plugin, "__version__", "?"),
+        "command": shlex.join(["python", *argv]),
+        "sizes": "full" if cfg.full else f"small (matrix dims / {cfg.div})",
+        "quick": args.quick,
+    }
+
+
+def markdown_section(meta: dict, results: dict[str, list[dict]], peak: dict | None) -> str:
+    out = [
+        MARK_START,
+        "## Benchmark (`scripts/benchmark.py`)",
+        "",
+        f"- date: {meta['date']}",
+        f"- device: {meta['device']}",
+        f"- torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}, "
+        f"muon_plugin {meta['muon_plugin']}",
+        f"- command: `{meta['command']}`",
+        f"- sizes: {meta['sizes']}",
+    ]
+    if peak:
+        out.append(
+            f"- measured peak: {peak['name']} at {tf(peak['tflops'])} TFLOP/s ({peak['ms']:.3f} ms)"
+        )
+    out.append(
+        "- times are medians; `optimizer.step()` is timed step by step after warm-up; "
+        "ratios > 1 mean faster than the reference row"
+    )
+    for key, title, table in (
+        ("kernels", "Symmetric Gram kernel vs cuBLAS (bf16)", kernel_table),
+        ("ortho", "Orthogonalization, 5 steps (FLOPs counted as plain matmuls)", ortho_table),
+        ("step", "optimizer.step() (fp32 params and grads)", step_table),
+        ("memory", "Optimizer memory", memory_table),
+    ):
+        if key in results:
+            h, body = table(results[key])
+            out += ["", f"### {title}", "", md_table(h, body)]
+    out += ["", MARK_END]
+    return "\n".join(out) + "\n"
+
+
+def write_results(path: Path, section: str) -> None:
+    old = path.read_text() if path.exists() else ""
+    if MARK_START in old and MARK_END in old and old.index(MARK_START) < old.index(MARK_END):
+        before = old[: old.index(MARK_START)]
+        after = old[old.index(MARK_END) + len(MARK_END) :].lstrip("\n")
+        new = before + section + ("\n" + after if after else "")
+    elif old:
+        new = old.rstrip("\n") + "\n\n" + section
+    else:
+        new = "# Results\n\n" + section
+    path.write_text(new)
+
+
+def summary(results: dict[str, list[dict]], peak: dict | None, meta: dict, cfg: Config) -> str:
+    lines = [
+        "",
+        "=" * 100,
+        f"SUMMARY  {meta['device']} | torch {meta['torch']} | triton "
+        f"{meta['triton']} | sizes: {meta['sizes']}",
+    ]
+    if peak:
+        lines.append(f"peak: {peak['name']} {tf(peak['tflops'])} TFLOP/s")
+    if "kernels" in results:
+        lines.append("\n[kernels] ms: cuBLAS / triton / gram(dispatch)")
+        for r in results["kernels"]:
+            lines.append("  " + kernel_line(r))
+        bad = [r for r in results["kernels"] if r.get("dispatch_ok") is False]
+        lines.append(
+            "  dispatch never slower than cuBLAS: "
+            + ("yes" if not bad else "NO at " + ", ".join(f"{r['kind']} {r['shape']}" for r in bad))
+        )
+    if "ortho" in results:
+        lines.append("\n[ortho] zeropower, 5 steps")
+        for r in results["ortho"]:
+            lines.append("  " + ortho_line(r))
+    if "step" in results:
+        lines.append(
+            "\n[step] optimizer.step() median ms; x = speedup vs torch.optim.Muon / vs naive"
+        )
+        for r in results["step"]:
+            if "skipped" in r:
+                if r["group"] != "peer":
+                    lines.append(f"  {r['workload']:<18} {r['name']:<30} skipped: {r['skipped']}")
+                continue
+            if "error" in r:
+                lines.append(f"  {r['workload']:<18} {r['name']:<30} ERROR {r['error'][:80]}")
+                continue
+            extra = ""
+            if r.get("vs_fused_adamw") is not None:
+                extra = (
+                    f"  = {r['vs_fused_adamw']:.2f}x fused AdamW "
+                    f"({'within' if r['within_2x_adamw'] else 'NOT within'} 2x)"
+                )
+            elif r.get("floor_ms") and r["name"] != "AdamW(fused=True)":
+                extra = f"  {r['ms'] / r['floor_ms']:.2f}x the plain-matmul floor"
+            lines.append(
+                f"  {r['workload']:<18} {r['name']:<30} {r['ms']:9.3f}  "
+                f"x{fmt(r.get('speedup_vs_torch'), '.2f'):>5} / "
+                f"x{fmt(r.get('speedup_vs_naive'), '.2f'):>5}"
+                f"{extra}"
+            )
+        peers = [r for r in results["step"] if r["group"] == "peer" and "skipped" in r]
+        if peers:
+            lines.append(
+                "  peers skipped: "
+                + ", ".join(sorted({f"{r['name']} ({r['skipped']})" for r in peers}))
+            )
+        if cfg.full:
+            for wl, anchors in ANCHORS_MS.items():
+                lines.append(
+                    f"  anchors.md ({wl}, H200): "
+                    + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
+                )
+        floors = {r["workload"]: r.get("floor_ms") for r in results["step"]}
+        for wl, f in floors.items():
+            if f:
+                lines.append(f"  {wl}: plain-matmul floor {f:.2f} ms at the measured peak")
+    if "memory" in results:
+        lines.append("\n[memory] state B/param, step peak delta MiB")
+        for r in results["memory"]:
+            if "skipped" in r or "error" in r:
+                continue
+            peak_mib = r.get("step_peak_mib")
+            lines.append(
+                f"  {r['workload']:<18} {r['name']:<30} "
+                f"{fmt(r.get('state_bytes_per_param'), '.2f'):>6} B/param  "
+                f"{fmt(r.get('state_mib'), '.1f'):>9} MiB  step peak "
+                + (f"+{peak_mib:.0f} MiB" if peak_mib is not None else "n/a (CPU)")
+            )
+    lines.append("=" * 100)
+    return "\n".join(lines)
+
+
+def clean_json(v: Any) -> Any:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    if isinstance(v, dict):
+        return {k: clean_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [clean_json(x) for x in v]
+    return v
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=Path("RESULTS.md"),
+        help="markdown file whose benchmark section is created/updated",
+    )
+    p.add_argument("--no-results", action="store_true", help="do not write the results file")
+    p.add_argument("--json", type=Path, help="write all rows to this JSON file")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=None,
+        help="also time MuonForeach(compile=True) on small runs",
+    )
+    g.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="skip the MuonForeach(compile=True) row",
+    )
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    args.sections = [s for s in SECTIONS if s in sections]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv if argv is None else ["scripts/benchmark.py", *argv]
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmark: --device cuda but no CUDA GPU is available", file=sys.stderr)
+        return 2
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    cfg = make_config(cuda, args.quick, args.compile)
+    timer = Timer(device)
+    meta = meta_info(args, device, cfg, raw_argv)
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    log(
+        f"benchmark: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"sizes {meta['sizes']}, sections {','.join(args.sections)}"
+    )
+    results: dict[str, list[dict]] = {}
+    peak = None
+    if "ortho" in args.sections or "step" in args.sections:
+        peak = measure_peak(cfg, device, timer)
+        log(f"peak: {peak['name']}: {peak['ms']:.3f} ms, {tf(peak['tflops'])} TFLOP/s")
+
+    def timed_section(name: str, fn):
+        t0 = time.perf_counter()
+        log(f"\n[{name}]")
+        out = fn()
+        log(f"  ({name}: {time.perf_counter() - t0:.1f} s)")
+        return out
+
+    if "kernels" in args.sections:
+        results["kernels"] = timed_section(
+            "kernels", lambda: section_kernels(cfg, device, timer, log)
+        )
+    if "ortho" in args.sections:
+        results["ortho"] = timed_section(
+            "ortho", lambda: section_ortho(cfg, device, timer, peak, log)
+        )
+    if "step" in args.sections or "memory" in args.sections:
+        name = "+".join(s for s in ("step", "memory") if s in args.sections)
+        step_rows, mem_rows = timed_section(
+            name,
+            lambda: section_step(
+                cfg, device, timer, peak, "step" in args.sections, "memory" in args.sections, log
+            ),
+        )
+        if "step" in args.sections:
+            results["step"] = step_rows
+        if "memory" in args.sections:
+            results["memory"] = mem_rows
+
+    meta["total_s"] = time.perf_counter() - t_start
+    if args.json:
+        rows = ([peak] if peak else []) + [r for s in args.sections for r in results.get(s, [])]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(clean_json({"meta": meta, "rows": rows}), indent=1))
+        log(f"wrote {args.json}")
+    if not args.no_results:
+        write_results(args.results, markdown_section(meta, results, peak))
+        log(f"updated {args.results}")
+
+    for key, table in (
+        ("kernels", kernel_table),
+        ("ortho", ortho_table),
+        ("step", step_table),
+        ("memory", memory_table),
+    ):
+        if key in results:
+            log(f"\n{key}:")
+            log(text_table(*table(results[key])))
+    log(summary(results, peak, meta, cfg))
+
+    failures = [
+        r
+        for s in results.values()
+        for r in s
+        if "error" in r and (r.get("required") or r.get("section") in ("kernels", "ortho"))
+    ]
+    log(f"total {meta['total_s']:.1f} s" + (f"; {len(failures)} FAILED rows" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

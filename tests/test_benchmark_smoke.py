@@ -1,0 +1,92 @@
+"""CI smoke test: ``scripts/benchmark.py --quick`` runs on the CPU and reports every section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "benchmark.py"
+CPU_SECTIONS = ("kernels", "ortho", "step", "memory")
+
+
+def test_benchmark_quick_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    # One intra-op thread: on a busy 2-core CI runner, spinning OpenMP threads cost far more
+    # than they gain on these small shapes.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--device",
+            "cpu",
+            "--no-results",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,  # the script must find muon_plugin by itself, and write nothing here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    tail = (proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]).strip()
+    assert proc.returncode == 0, tail
+    assert "SUMMARY" in proc.stdout, tail
+    assert not (tmp_path / "RESULTS.md").exists(), "--no-results must not write RESULTS.md"
+
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["torch"] and meta["command"].startswith("python ")
+    assert "--quick" in meta["command"]
+
+    for section in CPU_SECTIONS:
+        got = [r for r in rows if r.get("section") == section]
+        ok = [r for r in got if "error" not in r and "skipped" not in r]
+        assert ok, f"no successful rows for section {section!r}: {got}"
+
+    step = [r for r in rows if r.get("section") == "step" and "ms" in r]
+    names = {r["name"] for r in step}
+    for required in (
+        "MuonForeach (polar_express)",
+        "MuonForeach (newton_schulz)",
+        "Muon (per-parameter)",
+        "naive reference Muon",
+        "AdamW(fused=True)",
+        "MuonForeach elementwise only",
+    ):
+        assert required in names, f"missing step row {required!r}: {sorted(names)}"
+    assert all(r["ms"] > 0 for r in step)
+    assert {r["workload"] for r in step} and len({r["workload"] for r in step}) == 2
+
+    ortho = [r for r in rows if r.get("section") == "ortho" and "ms" in r]
+    assert {r["name"] for r in ortho} >= {"polar_express", "newton_schulz"}
+    assert all(r["tflops"] > 0 and r["pct_peak"] > 0 for r in ortho)
+
+    mem = [r for r in rows if r.get("section") == "memory" and "state_bytes_per_param" in r]
+    by_name = {r["name"]: r["state_bytes_per_param"] for r in mem}
+    # One fp32 momentum buffer for Muon, two fp32 moments for AdamW.
+    assert abs(by_name["MuonForeach (polar_express)"] - 4.0) < 0.1
+    assert abs(by_name["AdamW(fused=True)"] - 8.0) < 0.1
+
+
+def test_results_section_is_replaced_in_place(tmp_path):
+    """The script's RESULTS.md section is updated between its markers; the rest is kept."""
+    spec = importlib.util.spec_from_file_location("_muon_benchmark_script", SCRIPT)
+    benchmark = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = benchmark  # dataclasses look their module up
+    spec.loader.exec_module(benchmark)
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\nintro\n\n<!-- other:start -->\nother\n<!-- other:end -->\n")
+    benchmark.write_results(path, f"{benchmark.MARK_START}\nfirst\n{benchmark.MARK_END}\n")
+    benchmark.write_results(path, f"{benchmark.MARK_START}\nsecond\n{benchmark.MARK_END}\n")
+    text = path.read_text()
+    assert "intro" in text and "other" in text and "second" in text
+    assert "first" not in text
+    assert text.count(benchmark.MARK_START) == 1
