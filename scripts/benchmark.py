@@ -555,9 +555,10 @@ def identity_orthogonalization() -> Iterator[list[int]]:
     orig = cls.run
     calls = [0]
 
-    def run(self, updates):
+    def run(self, *args, **kwargs):
         calls[0] += 1
-        return [u.to(torch.bfloat16) for u in updates]
+        directions = args[0] if args else next(iter(kwargs.values()))
+        return [d.to(torch.bfloat16) for d in directions]
 
     cls.run = run
     try:
