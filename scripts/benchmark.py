@@ -657,17 +657,13 @@ def optimizer_rows(cfg: Config) -> list[Row]:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    seen: set[int] = set()
-    total = 0
+    """Bytes of the tensors in ``opt.state``; views of one storage count that storage once."""
+    storages: dict[int, int] = {}
 
     def walk(v):
-        nonlocal total
         if isinstance(v, torch.Tensor):
-            key = v.untyped_storage().data_ptr() if v.device.type != "meta" else id(v)
-            if v.numel() and key in seen:
-                return
-            seen.add(key)
-            total += v.numel() * v.element_size()
+            st = v.untyped_storage()
+            storages[st.data_ptr() or id(v)] = st.nbytes()
         elif isinstance(v, dict):
             for x in v.values():
                 walk(x)
@@ -677,7 +673,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
     for st in opt.state.values():
         walk(st)
-    return total
+    return sum(storages.values())
 
 
 def run_row(row: Row, wl: Workload, cfg: Config, timer: Timer, timed: bool, mem: bool) -> dict:
