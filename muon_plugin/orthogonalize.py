@@ -31,7 +31,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels import gram
+from muon_plugin.kernels import gram, kernel_handles
 
 Coefficients = tuple[float, float, float]
 
@@ -143,16 +143,25 @@ def iterate(
 ) -> Tensor:
     """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
 
-    Each step's ``a X + B X`` is one ``baddbmm`` (fp32 accumulation: its terms nearly cancel in
-    the first steps). With ``transpose_result`` the last step computes ``X^T <- a X^T + X^T B``
-    (``B`` is symmetric), so a tall input's result comes out contiguous in its own orientation.
+    The terms of ``a X + B X`` nearly cancel in the first steps, so they are summed in fp32:
+    where the Triton kernel handles ``A`` it forms ``Q = a I + b A + c A A`` in fp32 and rounds
+    once, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``); elsewhere one
+    ``baddbmm``. With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is
+    symmetric), so a tall input's result comes out contiguous in its own orientation.
     """
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)
-        B = gram(A, alpha=c, C=A, beta=b)
         s = scale if i == last else 1.0
-        if i == last and transpose_result:
+        final_transposed = i == last and transpose_result
+        if kernel_handles(A):
+            Q = gram(A, alpha=c * s, C=A, beta=b * s, gamma=a * s)
+            if final_transposed:
+                return torch.bmm(X.mT, Q)
+            X = torch.bmm(Q, X)
+            continue
+        B = gram(A, alpha=c, C=A, beta=b)
+        if final_transposed:
             return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
     return X

@@ -109,6 +109,12 @@ y = symmetric_matmul(X4, alpha=-1.5, C=C4, beta=0.25)
 assert y.shape == (2, 2, 20, 20)
 report("4-D X, broadcast C", y, -1.5 * (X4.double() @ X4.double().mT) + 0.25 * C4.double())
 
+# The Polar Express step Q = gamma*I + beta*A + alpha*A@A, the diagonal added before rounding.
+A = sym(2, 40, torch.float32) / 10
+Q = symmetric_matmul(A, alpha=2.0, C=A, beta=-3.0, gamma=8.25)
+eye = torch.eye(40, dtype=torch.float64)
+report("gamma * I epilogue", Q, 2.0 * (A.double() @ A.double().mT) - 3.0 * A.double() + 8.25 * eye)
+
 X = torch.randn(1, 24, 32)
 out = torch.full((1, 24, 24), float("nan"))
 res = symmetric_matmul(X, out=out)
@@ -122,7 +128,7 @@ def test_kernel_matches_reference_in_interpreter():
     proc = _run_python(_INTERPRETER_CASES, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 12, proc.stdout
+    assert len(rows) == 13, proc.stdout
     for r in rows:
         tol = 1e-5 if r["dtype"] == "torch.float32" else 1e-2
         assert r["written"], r

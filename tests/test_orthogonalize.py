@@ -140,3 +140,30 @@ def test_stack_applies_lr_shape_factor():
     X = gradient_like(96, 32, seed=9)
     out = orthogonalize_stack(X[None], MatrixSpec(lr_adjust="keller"))[0]
     assert rel_err(out, math.sqrt(3) * zeropower(X, 5).float()) < 1e-2
+
+
+def test_fused_identity_form_matches_baddbmm_form(monkeypatch):
+    """The Q = aI + bA + cA^2, X <- Q X form (used with the Triton kernel) is the same map.
+
+    ``gram`` is replaced by an emulation of the kernel: fp32 accumulation and epilogue, then a
+    single rounding to bf16.
+    """
+    import muon_plugin.orthogonalize as ortho
+
+    def kernel_like_gram(X, *, alpha=1.0, C=None, beta=0.0, gamma=0.0):
+        X32 = X.float()
+        out = alpha * (X32 @ X32.mT) + gamma * torch.eye(X.shape[-2])
+        if C is not None:
+            out = out + beta * C.float()
+        return out.to(X.dtype)
+
+    for shape in [(48, 160), (160, 48), (2, 32, 32)]:
+        G = gradient_like(*shape, seed=11)
+        plain = zeropower(G, 5)
+        monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
+        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+        fused = zeropower(G, 5, scale=1.5)
+        monkeypatch.undo()
+        assert fused.shape == G.shape
+        assert rel_err(fused, 1.5 * plain.float()) < 3e-2
+        assert rel_err(fused / 1.5, polar(G)) < 0.12

@@ -2,9 +2,10 @@
 
 from muon_plugin.kernels.symmetric import (
     gram,
+    kernel_handles,
     symmetric_matmul,
     triton_available,
     use_symmetric_kernel,
 )
 
-__all__ = ["gram", "symmetric_matmul", "triton_available", "use_symmetric_kernel"]
+__all__ = ["gram", "kernel_handles", "symmetric_matmul", "triton_available", "use_symmetric_kernel"]

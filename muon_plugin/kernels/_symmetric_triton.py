@@ -80,7 +80,9 @@ def _syrk_kernel(
     stride_on,
     alpha,
     beta,
+    gamma,
     HAS_C: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -134,6 +136,8 @@ def _syrk_kernel(
         c_ptrs = C + pid_b * stride_cb + rows * stride_cm + cols * stride_cn
         c = tl.load(c_ptrs, mask=(rows < M) & (cols < M), other=0.0)
         res += beta * c.to(tl.float32)
+    if HAS_DIAG:  # + gamma * I, added in fp32 before the single rounding to OUT's dtype
+        res += tl.where(rows == cols, gamma, 0.0)
     res = res.to(OUT.dtype.element_ty)
 
     o_base = OUT + pid_b * stride_ob
@@ -176,8 +180,11 @@ def launch(
     alpha: float,
     beta: float,
     config: dict | None = None,
+    gamma: float = 0.0,
 ) -> torch.Tensor:
     """Launch on 3-D tensors X (B, M, K), C (B, M, M) or None, out (B, M, M).
+
+    Computes ``alpha * X @ X^T + beta * C + gamma * I``.
 
     ``config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses
     autotuning; the interpreter always uses a fixed config.
@@ -206,8 +213,9 @@ def launch(
         out.stride(2),
         float(alpha),
         float(beta),
+        float(gamma),
     )
-    flags = {"HAS_C": has_c, "DOT_PRECISION": precision}
+    flags = {"HAS_C": has_c, "HAS_DIAG": gamma != 0.0, "DOT_PRECISION": precision}
     if INTERPRET:
         flags["UPCAST"] = X.dtype == torch.bfloat16
         config = config or INTERPRET_CONFIG

@@ -17,7 +17,13 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["gram", "symmetric_matmul", "triton_available", "use_symmetric_kernel"]
+__all__ = [
+    "gram",
+    "kernel_handles",
+    "symmetric_matmul",
+    "triton_available",
+    "use_symmetric_kernel",
+]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _LAUNCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -81,8 +87,9 @@ def symmetric_matmul(
     C: torch.Tensor | None = None,
     beta: float = 0.0,
     out: torch.Tensor | None = None,
+    gamma: float = 0.0,
 ) -> torch.Tensor:
-    """``alpha * X @ X.mT + beta * C`` with the Triton kernel; X is (m, k) or (..., m, k).
+    """``alpha * X @ X.mT + beta * C (+ gamma * I)`` with the Triton kernel; X is (..., m, k).
 
     Accumulates in fp32 and returns X.dtype. Only upper-triangle tiles are computed and then
     mirrored, so the output is exactly symmetric. C, if given, is (..., m, m) (broadcast over
@@ -122,7 +129,7 @@ def symmetric_matmul(
             if t is not None and t.untyped_storage().data_ptr() == out_ptr:
                 raise ValueError(f"out must not share memory with {name}")
     if out.numel():  # k == 0 is fine: the kernel's loop does not run, leaving beta * C
-        mod.launch(X3, C3, out if out.dim() == 3 else out.view(-1, m, m), alpha, beta)
+        mod.launch(X3, C3, out if out.dim() == 3 else out.view(-1, m, m), alpha, beta, gamma=gamma)
     return out
 
 
@@ -152,28 +159,38 @@ def _kernel_enabled() -> bool:
     return os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") != "1" and triton_available()
 
 
+def kernel_handles(X: torch.Tensor) -> bool:
+    """Whether ``gram(X)`` runs the Triton kernel (bf16/fp16 CUDA, in the region it wins)."""
+    return (
+        X.is_cuda
+        and X.dtype in _KERNEL_DTYPES
+        and X.dim() >= 2
+        and _kernel_enabled()
+        and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]))
+    )
+
+
 def gram(
     X: torch.Tensor,
     *,
     alpha: float = 1.0,
     C: torch.Tensor | None = None,
     beta: float = 0.0,
+    gamma: float = 0.0,
 ) -> torch.Tensor:
-    """``alpha * X @ X.mT + beta * C`` for X (m, k) or (..., m, k); the optimizer's entry point.
+    """``alpha * X @ X.mT + beta * C + gamma * I`` for X (..., m, k); the optimizer's entry point.
 
-    Uses the Triton kernel (see ``symmetric_matmul``; C must then be symmetric) for bf16/fp16
-    CUDA tensors in the shape region where it beats cuBLAS (``use_symmetric_kernel``), unless
-    triton is missing or MUON_PLUGIN_DISABLE_TRITON=1. Otherwise ``torch.mm``/``bmm``/``addmm``/
-    ``baddbmm``, which accept any C. Both paths return X.dtype, shape (..., m, m).
+    Uses the Triton kernel (see ``symmetric_matmul``; C must then be symmetric) where
+    ``kernel_handles(X)``: bf16/fp16 CUDA tensors in the shape region where it beats cuBLAS
+    (``use_symmetric_kernel``), unless triton is missing or MUON_PLUGIN_DISABLE_TRITON=1; the
+    kernel adds ``gamma * I`` in fp32 before rounding. Otherwise ``torch.mm``/``bmm``/``addmm``/
+    ``baddbmm`` (any C), then ``gamma`` on the diagonal. Both return X.dtype, (..., m, m).
     """
     if C is not None:
         _check_c(C, X)
-    if (
-        X.is_cuda
-        and X.dtype in _KERNEL_DTYPES
-        and X.dim() >= 2
-        and _kernel_enabled()
-        and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]))
-    ):
-        return symmetric_matmul(X, alpha=alpha, C=C, beta=beta)
-    return _torch_gram(X, alpha, C, beta)
+    if kernel_handles(X):
+        return symmetric_matmul(X, alpha=alpha, C=C, beta=beta, gamma=gamma)
+    out = _torch_gram(X, alpha, C, beta)
+    if gamma != 0.0:
+        out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return out
