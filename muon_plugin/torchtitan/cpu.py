@@ -14,7 +14,11 @@ the ``Trainer`` exists) does, only when no accelerator is present:
    replaced too, so modules imported later (the model packages, ``distributed.dual_pipe_v``) see
    the CPU values whether they copy the attributes or call the function;
 2. makes FSDP2 use plain ``SUM`` reductions on CPU meshes: torchtitan sets a gradient divide
-   factor, for which FSDP2 picks ``ReduceOp.PREMUL_SUM``, which gloo rejects.
+   factor, for which FSDP2 picks ``ReduceOp.PREMUL_SUM``, which gloo rejects;
+3. lets the MoE router count tokens per expert on CPU: ``torchtitan.models.moe.moe`` calls
+   ``torch.histc`` on integer expert indices, which only CUDA implements; that module's
+   ``torch`` global is replaced by a proxy whose ``histc`` counts integer CPU inputs in
+   float32 (exact below 2**24 tokens) and returns the input dtype, like CUDA.
 
 On a machine with an accelerator nothing is changed. :func:`apply` is idempotent.
 """
@@ -186,6 +190,27 @@ def _patch_fsdp_sum_reduction() -> None:
     collectives._get_gradient_divide_factors = _get_gradient_divide_factors
 
 
+class _TorchWithIntegerHistc:
+    """``torch`` for one module, with ``histc`` accepting integer CPU tensors."""
+
+    def histc(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input.device.type == "cpu" and not input.is_floating_point():
+            return torch.histc(input.float(), *args, **kwargs).to(input.dtype)
+        return torch.histc(input, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_moe_histc() -> None:
+    try:
+        from torchtitan.models.moe import moe
+    except ImportError:  # pragma: no cover - layout of another torchtitan version
+        return
+    if getattr(moe, "torch", None) is torch:
+        moe.torch = _TorchWithIntegerHistc()
+
+
 def apply() -> bool:
     """Switch torchtitan to CPU + gloo when no accelerator is present.
 
@@ -218,5 +243,6 @@ def apply() -> bool:
     _rebind_copies(old_type, old_module)
     _patch_memory_monitor_default()
     _patch_fsdp_sum_reduction()
+    _patch_moe_histc()
     _applied = True
     return True
