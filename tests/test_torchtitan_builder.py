@@ -176,3 +176,15 @@ def test_container_steps_schedules_and_checkpoints() -> None:
             torch.testing.assert_close(sd2[k], v, rtol=0, atol=0, msg=k)
         else:
             assert sd2[k] == v, k
+
+
+def test_state_dtype_selects_low_precision_optimizer() -> None:
+    try:
+        from muon_plugin import MuonLP
+    except (ImportError, AttributeError):
+        pytest.skip("muon_plugin.MuonLP is not available")
+    model = build_model("llama3", "meta")
+    cfg = job_config("--optimizer.name", "muon", "--optimizer.muon.state_dtype", "bf16")
+    opt = register.build_optimizers([model], cfg.optimizer, PARALLEL_DIMS)
+    assert isinstance(opt.optimizers[0], MuonLP)
+    assert opt.optimizers[0].state_dtype == "bf16"

@@ -132,6 +132,7 @@ def test_unknown_key_in_muon_section(tmp_path: Path) -> None:
         ('implementation = "fused"', r"optimizer\.muon\.implementation: invalid value 'fused'"),
         ("ns_steps = 0", r"optimizer\.muon\.ns_steps: invalid value 0"),
         ("momentum = 1.5", r"optimizer\.muon\.momentum: invalid value 1\.5"),
+        ("block_size = -4", r"optimizer\.muon\.block_size: invalid value -4"),
         ('nesterov = "yes"', r"optimizer\.muon\.nesterov: invalid value 'yes'"),
         ("embedding_lr = -1.0", r"optimizer\.muon\.embedding_lr: invalid value -1\.0"),
         ('router_algorithm = "sgd"', r"optimizer\.muon\.router_algorithm: invalid value 'sgd'"),

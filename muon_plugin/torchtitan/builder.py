@@ -78,14 +78,17 @@ def optimizer_kwargs(optimizer_config: Any, cfg: MuonConfig) -> dict[str, Any]:
 def _low_precision_kwargs(optimizer_cls: type, cfg: MuonConfig) -> dict[str, Any]:
     if cfg.state_dtype == "fp32":
         return {}
+    kwargs: dict[str, Any] = {"state_dtype": cfg.state_dtype}
+    if cfg.block_size is not None:
+        kwargs["block_size"] = cfg.block_size
     accepted = inspect.signature(optimizer_cls.__init__).parameters
-    missing = [k for k in ("state_dtype", "block_size") if k not in accepted]
+    missing = [k for k in kwargs if k not in accepted]
     if missing:
         raise NotImplementedError(
             f"{optimizer_cls.__name__} does not accept {missing}; cannot honour "
             f"optimizer.muon.state_dtype = {cfg.state_dtype!r}"
         )
-    return {"state_dtype": cfg.state_dtype, "block_size": cfg.block_size}
+    return kwargs
 
 
 class MuonOptimizersContainer(OptimizersContainer):

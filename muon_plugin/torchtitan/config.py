@@ -96,8 +96,9 @@ class MuonConfig:
     """Dtype of the optimizer states: 'fp32' (Muon / MuonForeach); 'bf16', 'int8', 'int4',
     'fp8' select the low-precision MuonLP (needs torchao)."""
 
-    block_size: int = 256
-    """Quantization block size of the low-precision states (MuonLP only)."""
+    block_size: int | None = None
+    """Elements per quantization scale of the low-precision states (MuonLP only; default:
+    MuonLP's own, torchao's block size for the chosen state_dtype)."""
 
     log_plan: bool = True
     """Log (rank 0) the param-group table at build time and the distributed orthogonalization
@@ -221,6 +222,8 @@ class MuonConfig:
                 raise _bad(key, getattr(self, key), "true or false")
         for key in ("ns_steps", "block_size"):
             value = getattr(self, key)
+            if value is None and key == "block_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad(key, value, "a positive integer")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
