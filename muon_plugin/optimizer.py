@@ -26,7 +26,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional
 
-from muon_plugin.distributed.plan import OrthogonalizationPlan, plan_orthogonalization
+from muon_plugin.distributed.plan import (
+    OrthogonalizationPlan,
+    check_grad_layouts,
+    plan_orthogonalization,
+)
 from muon_plugin.functional import decay_and_update_, momentum_update_
 from muon_plugin.orthogonalize import (
     LR_ADJUSTMENTS,
@@ -84,6 +88,9 @@ class Muon(Optimizer):
             ``sqrt(rows/cols)``, ``"none"``.
         flatten: treat >2-D params as ``(dim0, -1)`` matrices instead of batches of matrices.
         split_sizes: row blocks of fused weights (e.g. QKV) orthogonalized independently.
+        replicate_group: process group (or 1-D mesh) that plain-tensor parameters are
+            replicated over (DDP); their orthogonalization is then split over its ranks instead
+            of repeated on each. DTensor parameters (FSDP2, TP, HSDP) need nothing.
     """
 
     batched = False
@@ -106,6 +113,7 @@ class Muon(Optimizer):
         lr_adjust: str = "keller",
         flatten: bool = False,
         split_sizes: tuple[int, ...] | None = None,
+        replicate_group: Any = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -127,6 +135,9 @@ class Muon(Optimizer):
         )
         self._plan: OrthogonalizationPlan | None = None
         self._plan_key: tuple | None = None
+        # Process group (or 1-D mesh) plain-tensor params are replicated over (DDP): their
+        # orthogonalization is then split over its ranks. DTensor params need nothing.
+        self.replicate_group = replicate_group
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ validation
@@ -224,6 +235,7 @@ class Muon(Optimizer):
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
+            check_grad_layouts(group, ps)
             directions += self._momentum_directions(group, ps)
             params += ps
             specs += [group_spec(group)] * len(ps)
@@ -286,7 +298,18 @@ class Muon(Optimizer):
             for p, spec in zip(params, specs, strict=True)
         )
         if key != self._plan_key:
-            self._plan = plan_orthogonalization(params, specs, batched=self.batched)
+            names = {
+                id(p): n
+                for g in self.param_groups
+                for p, n in zip(g["params"], g.get("param_names") or [], strict=False)
+            }
+            self._plan = plan_orthogonalization(
+                params,
+                specs,
+                batched=self.batched,
+                names=[names.get(id(p), f"#{i}") for i, p in enumerate(params)],
+                replicate_group=self.replicate_group,
+            )
             self._plan_key = key
         assert self._plan is not None
         return self._plan
