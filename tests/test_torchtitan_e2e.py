@@ -256,6 +256,7 @@ def test_checkpoint_from_fsdp2_resumes(
         tmp_path,
     )
     second = losses(log)
+    print(f"\n{layout}: uninterrupted {ref}\n{layout}: resumed {second}")
     assert f"Training starts at step {SPLIT + 1}" in log, log[-3000:]
     assert sorted(second) == list(range(SPLIT + 1, TOTAL + 1))
     for s in range(SPLIT + 1, TOTAL + 1):
