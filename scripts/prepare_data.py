@@ -67,9 +67,7 @@ def _module_docstrings(path: Path) -> str:
         return ""
     parts = []
     for node in ast.walk(tree):
-        if isinstance(
-            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-        ):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=True)
             if doc and len(doc) >= 40:
                 title = "" if isinstance(node, ast.Module) else f"{node.name}\n"
