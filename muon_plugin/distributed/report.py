@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 
@@ -14,22 +15,55 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def totals_per_rank(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Matrices, FLOPs and bytes per global rank, summed over the shape groups of ``rows``.
+
+    Rows without ``ranks`` (a purely local plan) count as rank 0.
+    """
+    out: dict[int, dict[str, float]] = defaultdict(
+        lambda: {"matrices": 0, "flops": 0.0, "send_bytes": 0, "recv_bytes": 0}
+    )
+    for row in rows:
+        ranks = row.get("ranks") or list(range(len(row["matrices_per_rank"])))
+        for j, rank in enumerate(ranks):
+            t = out[rank]
+            t["matrices"] += row["matrices_per_rank"][j]
+            t["flops"] += row["flops_per_rank"][j]
+            t["send_bytes"] += row["send_bytes_per_rank"][j]
+            t["recv_bytes"] += row["recv_bytes_per_rank"][j]
+    return dict(out)
+
+
 def format_report(rows: list[dict[str, Any]]) -> str:
-    """One line per shape group: layout, matrices, and the busiest rank's load and traffic."""
+    """One line per shape group (layout, matrices, the busiest rank's load and traffic), then
+    the totals over all groups per rank (min-max), which is what load balancing evens out."""
     if not rows:
         return "Muon orthogonalization plan: empty (no Muon step yet)"
     header = (
-        f"{'shape':>20} {'dtype':>9} {'placements':>34} {'matrices':>8} "
+        f"{'shape':>20} {'dtype':>9} {'mesh':>7} {'placements':>22} {'matrices':>8} "
         f"{'per rank (min-max)':>18} {'max send':>10} {'max recv':>10} {'max GFLOP':>10}"
     )
-    lines = ["Muon orthogonalization plan:", header]
+    lines = ["Muon orthogonalization plan (per step):", header]
     for row in rows:
         per_rank = row["matrices_per_rank"]
         lines.append(
-            f"{str(tuple(row['shape'])):>20} {row['dtype']:>9} {str(row['placements']):>34} "
-            f"{row['matrices']:>8} {f'{min(per_rank)}-{max(per_rank)}':>18} "
+            f"{str(tuple(row['shape'])):>20} {row['dtype']:>9} {row.get('mesh', '-'):>7} "
+            f"{str(row['placements']):>22} {row['matrices']:>8} "
+            f"{f'{min(per_rank)}-{max(per_rank)}':>18} "
             f"{format_bytes(max(row['send_bytes_per_rank'])):>10} "
             f"{format_bytes(max(row['recv_bytes_per_rank'])):>10} "
             f"{max(row['flops_per_rank']) / 1e9:>10.2f}"
         )
+    totals = totals_per_rank(rows)
+    matrices = [t["matrices"] for t in totals.values()]
+    flops = [t["flops"] for t in totals.values()]
+    sends = [t["send_bytes"] for t in totals.values()]
+    mean = sum(flops) / len(flops)
+    lines.append(
+        f"all groups, {len(totals)} rank(s): matrices {min(matrices)}-{max(matrices)}, "
+        f"GFLOP {min(flops) / 1e9:.2f}-{max(flops) / 1e9:.2f} "
+        f"(max/mean {max(flops) / mean if mean else 1.0:.2f}), "
+        f"sent {format_bytes(min(sends))}-{format_bytes(max(sends))}, "
+        f"collectives {sum(row.get('collectives', 0) for row in rows)}"
+    )
     return "\n".join(lines)
