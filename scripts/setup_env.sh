@@ -6,7 +6,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MUON_PLUGIN_VENV:-$root/.venv}"
-python="${PYTHON:-python3}"
+python="${BASE_PYTHON:-python3}"
 stamp="$venv/.muon_plugin_setup"
 want="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
 

@@ -4,8 +4,8 @@
 #   scripts/train.sh CONFIG [torchtitan overrides ...]
 #   scripts/train.sh configs/llama3_debug_muon.toml --training.steps 10 --optimizer.muon.ns_steps 7
 #
-# - runs from the repository root, with .venv/bin/python when it exists (calls
-#   scripts/setup_env.sh first if .venv is missing and that script exists), else python3;
+# - runs from the repository root with .venv/bin/python, set up by scripts/setup_env.sh (instant
+#   once done); PYTHON=/path/to/python uses your own environment instead, with no set-up;
 # - builds the local corpus and tokenizer (scripts/prepare_data.py -> data/) on first use;
 # - NPROC processes: $NPROC if set, else one per GPU, else 2 on a CPU-only machine;
 # - torchrun --standalone --nproc_per_node $NPROC -m torchtitan.train --job.config_file CONFIG ...
@@ -29,14 +29,11 @@ else
 fi
 cd "$ROOT"
 
-if [[ ! -x .venv/bin/python && -x scripts/setup_env.sh ]]; then
-    echo "train.sh: .venv missing, running scripts/setup_env.sh" >&2
-    scripts/setup_env.sh
-fi
-if [[ -x .venv/bin/python ]]; then
-    PYTHON="$ROOT/.venv/bin/python"
+if [[ -n "${PYTHON:-}" ]]; then
+    :   # an environment you manage yourself (e.g. a cluster image): used as is, no set-up
 else
-    PYTHON="$(command -v python3 || command -v python)"
+    bash scripts/setup_env.sh   # creates/refreshes .venv; instant when nothing changed
+    PYTHON="$ROOT/.venv/bin/python"
 fi
 
 # Local data (idempotent: a no-op once data/ is up to date).

@@ -43,8 +43,7 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
-    """torchrun -m torchtitan.train with the debug config; returns rank 0's output."""
+def titan_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -53,6 +52,30 @@ def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) ->
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
+    return env
+
+
+def finish(proc: subprocess.CompletedProcess) -> str:
+    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
+    return out
+
+
+def run_main_command(args: list[str], tmp: Path, data: Path, timeout: int = 400) -> str:
+    """The README's main command, ``bash scripts/train.sh CONFIG ...``, on 2 CPU processes."""
+    env = titan_env(tmp)
+    env.update(NPROC="2", DATA_DIR=str(data), LOG_RANK="0")
+    env.pop("PYTHON", None)
+    cmd = ["bash", "scripts/train.sh", str(CONFIG), "--metrics.disable_color_printing", *args]
+    return finish(
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    )
+
+
+def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
+    """torchrun -m torchtitan.train with the debug config; returns rank 0's output."""
+    env = titan_env(tmp)
     cmd = [
         sys.executable,
         "-m",
@@ -73,11 +96,9 @@ def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) ->
         "--metrics.disable_color_printing",
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
-    return out
+    return finish(
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    )
 
 
 def losses(log: str) -> dict[int, float]:
@@ -87,9 +108,10 @@ def losses(log: str) -> dict[int, float]:
     return found
 
 
-def test_debug_config_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+    """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job)."""
     steps = 20
-    log = run_titan(
+    log = run_main_command(
         [
             "--model.hf_assets_path",
             str(assets / "tokenizer"),
@@ -101,6 +123,7 @@ def test_debug_config_trains_with_muon(assets: Path, tmp_path: Path) -> None:
             str(steps),
         ],
         tmp_path,
+        assets,
     )
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
