@@ -59,6 +59,7 @@ from muon_plugin.distributed.groups import (
     process_group,
 )
 from muon_plugin.distributed.layout import Layout, LayoutError, describe_placements, layout_of
+from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
 from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 
 WIRE_DTYPE = torch.bfloat16
@@ -270,7 +271,10 @@ class OrthogonalizationPlan:
         if stack is None:
             return None
         if self.batched:
-            return orthogonalize_stack(stack, group.spec)
+            # Small local results come back in the parameter dtype (one cast per stack), so
+            # the multi-tensor update stays on its single-dtype fast path.
+            small = not group.back_comm and math.prod(group.shape) < FUSED_MIN_NUMEL
+            return orthogonalize_stack(stack, group.spec, out_dtype=group.dtype if small else None)
         if isinstance(stack, Tensor):
             return [orthogonalize_stack(stack[s : s + 1], group.spec)[0] for s in range(len(stack))]
         return [orthogonalize_stack([x], group.spec)[0] for x in stack]
