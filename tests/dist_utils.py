@@ -49,12 +49,22 @@ def _worker(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
             pass
 
 
-def run_distributed(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
-    mp.start_processes(
-        _worker,
-        args=(fn, world_size, free_port(), args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+def run_distributed(fn, world_size: int, *args, attempts: int = 3) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure.
+
+    The free port can be taken by another program between probing and binding it; such a start
+    (EADDRINUSE) is retried on a new port, any other failure is raised at once.
+    """
+    for attempt in range(attempts):
+        try:
+            mp.start_processes(
+                _worker,
+                args=(fn, world_size, free_port(), args),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                raise
