@@ -1,0 +1,197 @@
+"""``MuonLP``: ``MuonForeach`` with Muon momentum stored in bf16, int8, int4 or fp8.
+
+See :mod:`muon_plugin.lp_state` for the storage formats and why they survive resharding.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from muon_plugin.lp_state import (
+    STATE_KEYS,
+    StateFormat,
+    choose_format,
+    like_param,
+    local,
+    require_torchao,
+    restore,
+    state_nbytes,
+    validate_state_dtype,
+)
+from muon_plugin.optimizer import MuonForeach, describe
+
+logger = logging.getLogger(__name__)
+
+
+class MuonLP(MuonForeach):
+    """``MuonForeach`` whose Muon momentum is stored in low precision.
+
+    Takes every argument of :class:`~muon_plugin.MuonForeach`, plus:
+
+    Args:
+        state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. The
+            quantized kinds use torchao's low-bit optimizer-state tensor types
+            (``pip install 'muon_plugin[lp]'``); ``"bf16"`` needs no torchao.
+        block_size: elements per quantization scale (default: torchao's, 256 for int8 / fp8,
+            128 for int4). Blocks run along the last dim and never cross a row; ignored for bf16.
+
+    Each step, per Muon parameter: dequantize the local momentum to fp32, apply Muon's momentum
+    update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
+    place, and hand the fp32 direction to the same orthogonalization plan as ``MuonForeach``.
+    The first step is therefore identical to fp32-state Muon; later steps differ only through
+    the quantization error of the stored momentum. ``compile=True`` also compiles this update.
+
+    Memory per Muon parameter element: int8 / fp8 1 byte + 4 bytes per block (1.016 at 256),
+    int4 0.5 + 4/128 = 0.531, bf16 2 (fp32 Muon momentum: 4).
+
+    Fallback: a parameter that cannot be blocked (fewer than 4096 elements, last dim not a
+    multiple of ``block_size``, or last-dim sharding that would split a block) keeps bf16
+    momentum; the optimizer logs one warning listing them.
+
+    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales``, or a bf16
+    ``momentum_buffer``), DTensors laid out like their parameter, so ``state_dict()`` and DCP
+    (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as for
+    any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading dims)
+    moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved in
+    another format (another ``state_dtype`` or block size, or the fp32 ``momentum_buffer`` of
+    ``Muon`` / ``MuonForeach``) by dequantizing and requantizing it. Through DCP the checkpoint
+    must hold the same format, since DCP loads into this optimizer's own state tensors.
+
+    AdamW / Adam groups keep full-precision state (fp32 ``exp_avg`` / ``exp_avg_sq`` and torch's
+    fused or foreach kernels, exactly as in ``MuonForeach``): those groups hold embeddings,
+    output heads, norms and biases, where low-bit Adam state is known to hurt stability
+    (bitsandbytes keeps embeddings in 32-bit state for this reason), and where ``state_dtype``'s
+    saving matters least. ``state_dtype`` applies to Muon momentum only.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *args: Any,
+        state_dtype: str = "int8",
+        block_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.state_dtype = state_dtype
+        self.block_size = validate_state_dtype(state_dtype, block_size)
+        if state_dtype != "bf16":
+            require_torchao(state_dtype)
+        self._formats: dict[Tensor, StateFormat] = {}
+        self._fallbacks: list[str] = []
+        self._constructed = False
+        super().__init__(params, *args, **kwargs)
+        self._constructed = True
+        self._report_fallbacks()
+
+    # ------------------------------------------------------------------ formats
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["algorithm"] != "muon":
+            return
+        for i, p in enumerate(group["params"]):
+            fmt, why = choose_format(p, self.state_dtype, self.block_size)
+            self._formats[p] = fmt
+            if why is not None:
+                self._fallbacks.append(f"{describe(group, i, p)}: {why}")
+        if self._constructed:
+            self._report_fallbacks()
+
+    def _report_fallbacks(self) -> None:
+        if self._fallbacks:
+            logger.warning(
+                "MuonLP: %d parameter(s) cannot be quantized to %s (block_size %d) and keep "
+                "bf16 momentum:\n  %s",
+                len(self._fallbacks),
+                self.state_dtype,
+                self.block_size,
+                "\n  ".join(self._fallbacks),
+            )
+        self._fallbacks = []
+
+    def state_format(self, p: Tensor) -> StateFormat:
+        """How the momentum of Muon parameter ``p`` is stored."""
+        fmt = self._formats.get(p)
+        if fmt is None:
+            raise KeyError("not a Muon parameter of this optimizer")
+        return fmt
+
+    # ------------------------------------------------------------------ step
+
+    def _momentum_directions(self, group: dict[str, Any], ps: list[Tensor]) -> list[Tensor]:
+        directions = []
+        for p in ps:
+            fmt = self.state_format(p)
+            state = self.state[p]
+            if any(k not in state for k in fmt.keys):
+                state.update(fmt.zeros(p))
+            directions.append(
+                fmt.update(
+                    {k: local(state[k]) for k in fmt.keys},
+                    local(p.grad),
+                    group["momentum"],
+                    group["nesterov"],
+                    compiled=group["compile"],
+                )
+            )
+        return directions
+
+    # ------------------------------------------------------------------ inspection
+
+    @torch.no_grad()
+    def momentum(self, p: Tensor) -> Tensor | None:
+        """The dequantized fp32 momentum of ``p`` (a DTensor like ``p``), or None before a step."""
+        fmt = self.state_format(p)
+        state = self.state.get(p, {})
+        if any(k not in state for k in fmt.keys):
+            return None
+        dense = fmt.read({k: local(state[k]) for k in fmt.keys}, tuple(local(p).shape))
+        return like_param(p, dense, tuple(p.shape))
+
+    def state_bytes(self) -> tuple[int, int]:
+        """``(bytes, elements)`` of this rank's Muon momentum state and local Muon parameters."""
+        nbytes = numel = 0
+        for p in self._formats:
+            nbytes += state_nbytes(self.state.get(p, {}))
+            numel += local(p).numel()
+        return nbytes, numel
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like ``torch.optim``, converting Muon momentum into this optimizer's formats.
+
+        ``torch.optim`` casts every floating state tensor to its parameter's dtype (which would
+        turn fp8 codes or bf16 buffers into fp32), so Muon momentum entries are taken out before
+        and restored after, in this optimizer's format for each parameter.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            # Let torch.optim raise its own error.
+            super().load_state_dict(state_dict)
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+                strict=False,
+            )
+        )
+        state = {}
+        held: dict[Tensor, dict[str, Tensor]] = {}
+        for key, entry in state_dict["state"].items():
+            p = id_map.get(key)
+            if p is not None and p in self._formats and isinstance(entry, dict):
+                held[p] = {k: v for k, v in entry.items() if k in STATE_KEYS}
+                entry = {k: v for k, v in entry.items() if k not in STATE_KEYS}
+            state[key] = entry
+        super().load_state_dict({**state_dict, "state": state})
+        with torch.no_grad():
+            for p, saved in held.items():
+                if saved:
+                    self.state[p].update(restore(p, saved, self.state_format(p)))
