@@ -44,7 +44,9 @@ class MuonLP(MuonForeach):
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
     place, and hand the fp32 direction to the same orthogonalization plan as ``MuonForeach``.
     The first step is therefore identical to fp32-state Muon; later steps differ only through
-    the quantization error of the stored momentum. ``compile=True`` also compiles this update.
+    the quantization error of the stored momentum. ``compile=True`` also compiles this update
+    (one fused graph per parameter size); use it for speed, since eager requantization runs
+    torchao's ops as tens of small kernels per parameter.
 
     Memory per Muon parameter element: int8 / fp8 1 byte + 4 bytes per block (1.016 at 256),
     int4 0.5 + 4/128 = 0.531, bf16 2 (fp32 Muon momentum: 4).

@@ -13,7 +13,10 @@ Uses CUDA when available. ``--quick`` is a shorter, smaller run (the CPU default
 
     python scripts/bench_lp.py                 # GPU: a few hundred steps
     python scripts/bench_lp.py --quick         # CPU: well under 3 minutes on 2 cores
-    python scripts/bench_lp.py --compile --results RESULTS.md
+    python scripts/bench_lp.py --compile --results RESULTS.md   # adds compile time
+
+Eager ``MuonLP`` requantizes with torchao's ops one parameter at a time (tens of small
+kernels each); ``--compile`` (``compile=True``) fuses them, which is how to use it for speed.
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     quick = args.quick or device.type == "cpu"
     if quick:
-        args.d_in, args.dim, args.hidden, args.depth, args.d_out = 64, 256, 1024, 3, 64
+        args.d_in, args.dim, args.hidden, args.depth, args.d_out = 64, 256, 1024, 2, 64
         args.batch, args.eval_batch = 256, 2048
         args.steps = args.steps or 120
     else:
@@ -168,12 +171,12 @@ def main() -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
 
-    header = (
-        f"bench_lp: {device_name(device)}, torch {torch.__version__}, "
-        f"model dim {args.dim} hidden {args.hidden} depth {args.depth}, "
-        f"{args.steps} steps, batch {args.batch}, compile={args.compile}"
+    setup = (
+        f"model dim {args.dim} hidden {args.hidden} depth {args.depth} "
+        f"({2 * args.depth} Muon matrices), {args.steps} steps, batch {args.batch}, "
+        f"compile={args.compile}"
     )
-    print(header, flush=True)
+    print(f"bench_lp: {device_name(device)}, torch {torch.__version__}, {setup}", flush=True)
     start = time.perf_counter()
     rows = []
     for state_dtype in ["fp32", *args.dtypes.split(",")]:
@@ -211,7 +214,7 @@ def main() -> None:
             f.write(
                 f"\n## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
                 f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
-                f"- command: `{command}`\n- {header.removeprefix('bench_lp: ')}\n"
+                f"- command: `{command}`\n- {setup}\n"
                 f"- fp32 = `MuonForeach` (fp32 momentum); step time is `optimizer.step()` only "
                 f"(median); final loss on a held-out set\n\n{table}\n"
             )
