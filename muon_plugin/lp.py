@@ -6,7 +6,6 @@ See :mod:`muon_plugin.lp_state` for the storage formats and why they survive res
 from __future__ import annotations
 
 import logging
-from itertools import chain
 from typing import Any
 
 import torch
@@ -166,34 +165,8 @@ class MuonLP(MuonForeach):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like ``torch.optim``, converting Muon momentum into this optimizer's formats.
+    momentum_state_keys = STATE_KEYS
 
-        ``torch.optim`` casts every floating state tensor to its parameter's dtype (which would
-        turn fp8 codes or bf16 buffers into fp32), so Muon momentum entries are taken out before
-        and restored after, in this optimizer's format for each parameter.
-        """
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            # Let torch.optim raise its own error.
-            super().load_state_dict(state_dict)
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in self.param_groups),
-                strict=False,
-            )
-        )
-        state = {}
-        held: dict[Tensor, dict[str, Tensor]] = {}
-        for key, entry in state_dict["state"].items():
-            p = id_map.get(key)
-            if p is not None and p in self._formats and isinstance(entry, dict):
-                held[p] = {k: v for k, v in entry.items() if k in STATE_KEYS}
-                entry = {k: v for k, v in entry.items() if k not in STATE_KEYS}
-            state[key] = entry
-        super().load_state_dict({**state_dict, "state": state})
-        with torch.no_grad():
-            for p, saved in held.items():
-                if saved:
-                    self.state[p].update(restore(p, saved, self.state_format(p)))
+    def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Loaded momentum of ``p`` (any saved format) converted into this optimizer's format."""
+        return restore(p, saved, self.state_format(p))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -202,6 +203,8 @@ class Muon(Optimizer):
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
+            if fused and state["step"].device != p.device:  # e.g. loaded from a CPU checkpoint
+                state["step"] = state["step"].to(torch.float32).to(p.device)
             steps.append(state["step"])
         if not params:
             return
@@ -283,7 +286,7 @@ class Muon(Optimizer):
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
         if "momentum_buffer" not in state:
-            dtype = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+            dtype = momentum_dtype(p.dtype)
             state["momentum_buffer"] = torch.zeros_like(
                 p, dtype=dtype, memory_format=torch.preserve_format
             )
@@ -314,6 +317,45 @@ class Muon(Optimizer):
         assert self._plan is not None
         return self._plan
 
+    # ------------------------------------------------------------------ checkpoints
+
+    # State keys that hold Muon momentum (MuonLP stores codes and scales instead).
+    momentum_state_keys: tuple[str, ...] = ("momentum_buffer",)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like ``torch.optim``, but keep the momentum in its own dtype and format.
+
+        ``torch.optim`` casts every floating state tensor to its parameter's dtype, which would
+        turn the fp32 momentum of bf16 parameters into bf16 (and MuonLP's codes into floats).
+        Momentum entries are held out of that cast and restored by ``_restore_momentum``.
+        """
+        saved_groups = state_dict["param_groups"]
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+                strict=False,
+            )
+        )
+        state: dict[Any, Any] = {}
+        held: dict[Tensor, dict[str, Tensor]] = {}
+        for key, entry in state_dict["state"].items():
+            p = id_map.get(key)
+            if p is not None and isinstance(entry, dict):
+                momentum = {k: v for k, v in entry.items() if k in self.momentum_state_keys}
+                if momentum:
+                    held[p] = momentum
+                    entry = {k: v for k, v in entry.items() if k not in momentum}
+            state[key] = entry
+        super().load_state_dict({**state_dict, "state": state})
+        with torch.no_grad():
+            for p, saved in held.items():
+                self.state[p].update(self._restore_momentum(p, saved))
+
+    def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Loaded momentum entries of ``p`` in this optimizer's dtype, on ``p``'s device."""
+        return {k: v.to(dtype=momentum_dtype(p.dtype), device=p.device) for k, v in saved.items()}
+
     # ------------------------------------------------------------------ reporting
 
     def plan_report(self) -> list[dict[str, Any]]:
@@ -334,6 +376,11 @@ class MuonForeach(Muon):
 
 
 # ---------------------------------------------------------------------- group rules
+
+
+def momentum_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Muon momentum is fp32 for bf16/fp16 parameters, else the parameter's own dtype."""
+    return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
 
 
 def group_spec(group: dict[str, Any]) -> MatrixSpec:

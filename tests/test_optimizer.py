@@ -283,3 +283,22 @@ def test_a_bad_group_leaves_the_optimizer_usable():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [model.bias], "algorithm": "adamw"})
     assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_bf16_params_keep_fp32_momentum_through_load_state_dict(driver):
+    params = make_params((32, 16), (16,), dtype=torch.bfloat16)
+    groups = [{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}]
+    opt = driver(groups, lr=0.01)
+    set_grads(params, 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    clone_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    clone = driver(
+        [{"params": clone_params[:1]}, {"params": clone_params[1:], "algorithm": "adamw"}]
+    )
+    clone.load_state_dict(saved)
+    buf = clone.state[clone_params[0]]["momentum_buffer"]
+    assert buf.dtype == torch.float32
+    assert torch.equal(buf, opt.state[params[0]]["momentum_buffer"])
+    assert clone.state[clone_params[1]]["step"].dtype == torch.float32
