@@ -44,6 +44,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
+from results_md import replace_section  # noqa: E402
 from torch import nn  # noqa: E402
 
 MARK_START = "<!-- bench_comm:start -->"
@@ -315,16 +318,7 @@ def machine() -> str:
 
 
 def write_results(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    if MARK_START in old and MARK_END in old and old.index(MARK_START) < old.index(MARK_END):
-        before = old[: old.index(MARK_START)]
-        after = old[old.index(MARK_END) + len(MARK_END) :].lstrip("\n")
-        new = before + text + ("\n" + after if after else "")
-    elif old:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        new = "# Results\n\n" + text
-    path.write_text(new)
+    replace_section(path, text, MARK_START, MARK_END)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ fixed held-out set for the final loss) once with ``MuonForeach`` (fp32 momentum)
 - the final held-out loss and its relative difference to the fp32-state run.
 
 Uses CUDA when available. ``--quick`` is a shorter, smaller run (the CPU default).
-``--results PATH`` appends the table to a markdown file (e.g. RESULTS.md).
+``--results PATH`` writes the table into its own marked section of a markdown file
+(e.g. RESULTS.md), replacing an earlier run's.
 
     python scripts/bench_lp.py                 # GPU: a few hundred steps
     python scripts/bench_lp.py --quick         # CPU: well under 3 minutes on 2 cores
@@ -29,11 +30,18 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
+from results_md import replace_section  # noqa: E402
 from torch import nn
 
 from muon_plugin import MuonForeach, MuonLP
+
+MARK_START = "<!-- bench_lp:start -->"
+MARK_END = "<!-- bench_lp:end -->"
 
 TARGET_BYTES = {"int8": 1.1, "int4": 0.6, "fp8": 1.1, "bf16": 2.0}
 TARGET_LOSS = 0.02
@@ -150,7 +158,9 @@ def main() -> None:
         "--dtypes", default="bf16,int8,int4,fp8", help="comma-separated MuonLP state dtypes"
     )
     parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--results", default=None, help="append a markdown section to this file")
+    parser.add_argument(
+        "--results", default=None, help="write the MuonLP section of this markdown file"
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -210,14 +220,16 @@ def main() -> None:
     print(f"\n({elapsed:.0f} s)")
     if args.results:
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        with open(args.results, "a") as f:
-            f.write(
-                f"\n## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
-                f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
-                f"- command: `{command}`\n- {setup}\n"
-                f"- fp32 = `MuonForeach` (fp32 momentum); step time is `optimizer.step()` only "
-                f"(median); final loss on a held-out set\n\n{table}\n"
-            )
+        replace_section(
+            args.results,
+            f"{MARK_START}\n## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
+            f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
+            f"- command: `{command}`\n- {setup}\n"
+            f"- fp32 = `MuonForeach` (fp32 momentum); step time is `optimizer.step()` only "
+            f"(median); final loss on a held-out set\n\n{table}\n{MARK_END}\n",
+            MARK_START,
+            MARK_END,
+        )
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ import muon_plugin  # noqa: E402
 from muon_plugin import Muon, MuonForeach, zeropower  # noqa: E402
 
 SECTIONS = ("kernels", "ortho", "step", "memory")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
+from results_md import replace_section  # noqa: E402
+
 MARK_START = "<!-- benchmark:start -->"
 MARK_END = "<!-- benchmark:end -->"
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (a, b, c)
@@ -1030,16 +1033,7 @@ def markdown_section(meta: dict, results: dict[str, list[dict]], peak: dict | No
 
 
 def write_results(path: Path, section: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    if MARK_START in old and MARK_END in old and old.index(MARK_START) < old.index(MARK_END):
-        before = old[: old.index(MARK_START)]
-        after = old[old.index(MARK_END) + len(MARK_END) :].lstrip("\n")
-        new = before + section + ("\n" + after if after else "")
-    elif old:
-        new = old.rstrip("\n") + "\n\n" + section
-    else:
-        new = "# Results\n\n" + section
-    path.write_text(new)
+    replace_section(path, section, MARK_START, MARK_END)
 
 
 def summary(results: dict[str, list[dict]], peak: dict | None, meta: dict, cfg: Config) -> str:
