@@ -234,8 +234,10 @@ class Muon(Optimizer):
         params: list[Tensor] = []
         specs: list[MatrixSpec] = []
         directions: list[Tensor] = []
+        counts: list[int] = []  # Muon params with a grad, per group
         for group in groups:
             ps = [p for p in group["params"] if p.grad is not None]
+            counts.append(len(ps))
             if not ps:
                 continue
             check_grad_layouts(group, ps)
@@ -248,8 +250,7 @@ class Muon(Optimizer):
         updates = self._orthogonalization_plan(params, specs).run(directions)
         # 3. Weight decay and update, group by group.
         start = 0
-        for group in groups:
-            n = sum(1 for p in group["params"] if p.grad is not None)
+        for group, n in zip(groups, counts, strict=True):
             ps = [local(p) for p in params[start : start + n]]
             us = updates[start : start + n]
             for chunk in self._chunks(n):
