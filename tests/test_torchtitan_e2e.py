@@ -73,8 +73,10 @@ def run_main_command(args: list[str], tmp: Path, data: Path, timeout: int = 400)
     )
 
 
-def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
-    """torchrun -m torchtitan.train with the debug config; returns rank 0's output."""
+def run_titan(
+    args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int = 0
+) -> str:
+    """torchrun -m torchtitan.train with the debug config; returns ``log_rank``'s output."""
     env = titan_env(tmp)
     cmd = [
         sys.executable,
@@ -84,7 +86,7 @@ def run_titan(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) ->
         "--nproc_per_node",
         str(nproc),
         "--local-ranks-filter",
-        "0",
+        str(log_rank),
         "--role",
         "rank",
         "--tee",
@@ -286,3 +288,47 @@ def test_checkpoint_from_fsdp2_resumes(
         assert second[s] == pytest.approx(ref[s], abs=2e-3), (s, second, ref)
     # the run learned something (the reference is not flat), so matching it means something
     assert ref[TOTAL] < ref[1] - 0.5, ref
+
+
+@pytest.mark.parametrize(
+    ("name", "nproc", "log_rank", "parallelism"),
+    [
+        # 4 processes: FSDP 2 x TP 2 (_StridedShard + Shard placements in one step)
+        ("fsdp2xtp2", 4, 0, ["--parallelism.tensor_parallel_degree", "2"]),
+        # 2 pipeline stages, one optimizer per model part; the last stage logs the loss
+        (
+            "pp2",
+            2,
+            1,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+            ],
+        ),
+    ],
+)
+def test_other_parallelisms_train_with_muon(
+    assets: Path, tmp_path: Path, name: str, nproc: int, log_rank: int, parallelism: list[str]
+) -> None:
+    steps = 6
+    log = run_titan(
+        [
+            "--model.hf_assets_path",
+            str(assets / "tokenizer"),
+            "--training.dataset_path",
+            str(assets / "corpus"),
+            "--job.dump_folder",
+            str(tmp_path / name),
+            "--training.steps",
+            str(steps),
+            *parallelism,
+        ],
+        tmp_path,
+        nproc=nproc,
+        log_rank=log_rank,
+    )
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert got[steps] < got[1] - 0.5, f"loss did not fall: {got}"
