@@ -41,6 +41,11 @@ PROBE = textwrap.dedent(
     from torchtitan.components.metrics import build_device_memory_monitor
     mon = build_device_memory_monitor()
     out["monitor"] = [mon.device_name, mon.get_peak_stats().max_reserved_gib > 0]
+    import subprocess
+    def no_lspci(*args, **kwargs):  # what a PATH with an unreadable folder gives
+        raise PermissionError("lspci")
+    subprocess.run = no_lspci
+    out["peak_flops"] = [utils.get_peak_flops("CPU")]
     print("PROBE" + json.dumps(out))
     """
 )
@@ -70,6 +75,7 @@ def test_cpu_mode_reaches_every_module_in_torchtitan_import_order() -> None:
     assert got["torchtitan.distributed.dual_pipe_v"] == ["cpu", stand_in]
     assert got["get_device_info"] == ["cpu"]
     assert got["monitor"][0].startswith("CPU") and got["monitor"][1] is True
+    assert got["peak_flops"] == [312e12]  # no lspci on the CPU
 
 
 def test_fsdp_sum_reduction_only_on_cpu() -> None:

@@ -211,6 +211,10 @@ def _patch_moe_histc() -> None:
         moe.torch = _TorchWithIntegerHistc()
 
 
+# What torchtitan assumes for a device it does not know (tools/utils.py), used for MFU only.
+CPU_PEAK_FLOPS = 312e12
+
+
 def apply() -> bool:
     """Switch torchtitan to CPU + gloo when no accelerator is present.
 
@@ -233,6 +237,10 @@ def apply() -> bool:
 
     tt_utils.get_device_info = lambda: ("cpu", cpu_device_module)
     tt_utils.device_type, tt_utils.device_module = "cpu", cpu_device_module
+    # The GPU peak-FLOPs lookup (for MFU) shells out to lspci, which fails with PermissionError
+    # when PATH holds an unreadable folder (a non-root user under `su`); it means nothing on a
+    # CPU anyway. torchtitan's own fallback value for unknown devices is kept.
+    tt_utils.get_peak_flops = lambda device_name: CPU_PEAK_FLOPS
     # Import the modules that copy the values now, so that the rebinding below reaches them
     # even when this runs before torchtitan.train imported them.
     import torchtitan.components.metrics  # noqa: F401
