@@ -286,8 +286,9 @@ def test_checkpoint_from_fsdp2_resumes(
     assert sorted(second) == list(range(SPLIT + 1, TOTAL + 1))
     for s in range(SPLIT + 1, TOTAL + 1):
         assert second[s] == pytest.approx(ref[s], abs=2e-3), (s, second, ref)
-    # the run learned something (the reference is not flat), so matching it means something
-    assert ref[TOTAL] < ref[1] - 0.5, ref
+    # the run learned something (the reference is not flat), so matching it means something;
+    # the last batch alone can be a hard one, whatever text the machine's corpus holds
+    assert min(ref.values()) < ref[1] - 0.5, ref
 
 
 @pytest.mark.parametrize(
