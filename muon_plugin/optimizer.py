@@ -203,8 +203,6 @@ class Muon(Optimizer):
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            if fused and state["step"].device != p.device:  # e.g. loaded from a CPU checkpoint
-                state["step"] = state["step"].to(torch.float32).to(p.device)
             steps.append(state["step"])
         if not params:
             return
@@ -352,6 +350,13 @@ class Muon(Optimizer):
         with torch.no_grad():
             for p, saved in held.items():
                 self.state[p].update(self._restore_momentum(p, saved))
+        # torch.optim keeps Adam's step where it was saved unless a group says "fused"; ours
+        # says "fused_adam", and the fused kernel wants it on the parameter's device.
+        for group in self.param_groups:
+            if group["algorithm"] != "muon" and group["fused_adam"]:
+                for p in group["params"]:
+                    if "step" in self.state.get(p, {}):
+                        self.state[p]["step"] = self.state[p]["step"].to(torch.float32).to(p.device)
 
     def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
         """Loaded momentum entries of ``p`` in this optimizer's dtype, on ``p``'s device."""

@@ -200,4 +200,4 @@ def test_disable_env_var_forces_torch(monkeypatch):
     import muon_plugin.kernels.symmetric as S
 
     monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
-    assert not S._kernel_enabled()
+    assert not S.triton_kernels_enabled()

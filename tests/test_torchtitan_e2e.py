@@ -110,23 +110,24 @@ def losses(log: str) -> dict[int, float]:
     return found
 
 
+def local_run_args(assets: Path, dump_folder: Path, steps: int) -> list[str]:
+    """Arguments of a run on the prepared corpus and tokenizer, writing under ``dump_folder``."""
+    return [
+        "--model.hf_assets_path",
+        str(assets / "tokenizer"),
+        "--training.dataset_path",
+        str(assets / "corpus"),
+        "--job.dump_folder",
+        str(dump_folder),
+        "--training.steps",
+        str(steps),
+    ]
+
+
 def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job)."""
     steps = 20
-    log = run_main_command(
-        [
-            "--model.hf_assets_path",
-            str(assets / "tokenizer"),
-            "--training.dataset_path",
-            str(assets / "corpus"),
-            "--job.dump_folder",
-            str(tmp_path / "out"),
-            "--training.steps",
-            str(steps),
-        ],
-        tmp_path,
-        assets,
-    )
+    log = run_main_command(local_run_args(assets, tmp_path / "out", steps), tmp_path, assets)
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     first = sum(got[s] for s in (1, 2, 3)) / 3
@@ -315,17 +316,7 @@ def test_other_parallelisms_train_with_muon(
 ) -> None:
     steps = 6
     log = run_titan(
-        [
-            "--model.hf_assets_path",
-            str(assets / "tokenizer"),
-            "--training.dataset_path",
-            str(assets / "corpus"),
-            "--job.dump_folder",
-            str(tmp_path / name),
-            "--training.steps",
-            str(steps),
-            *parallelism,
-        ],
+        [*local_run_args(assets, tmp_path / name, steps), *parallelism],
         tmp_path,
         nproc=nproc,
         log_rank=log_rank,

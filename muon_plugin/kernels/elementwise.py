@@ -10,12 +10,11 @@ multi-tensor ``_foreach`` path, where one launch covers many of them.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
-from muon_plugin.kernels.symmetric import triton_available
+from muon_plugin.kernels.symmetric import triton_kernels_enabled
 
 # Below this many elements a tensor is left to the multi-tensor foreach path: a Triton launch
 # costs ~10 us of Python, more than a small tensor's work (measured: GPT-125M on an H200).
@@ -36,8 +35,7 @@ def use_fused_elementwise(*tensors: torch.Tensor) -> bool:
         t.is_cuda
         and t.numel() >= FUSED_MIN_NUMEL
         and all(x.is_contiguous() and x.numel() == t.numel() for x in tensors)
-        and os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") != "1"
-        and triton_available()
+        and triton_kernels_enabled()
     )
 
 

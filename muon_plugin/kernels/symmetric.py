@@ -155,7 +155,8 @@ def _torch_gram(X: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: flo
     return res.view(*lead, m, m)
 
 
-def _kernel_enabled() -> bool:
+def triton_kernels_enabled() -> bool:
+    """Triton is importable and not switched off with MUON_PLUGIN_DISABLE_TRITON=1."""
     return os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") != "1" and triton_available()
 
 
@@ -165,7 +166,7 @@ def kernel_handles(X: torch.Tensor) -> bool:
         X.is_cuda
         and X.dtype in _KERNEL_DTYPES
         and X.dim() >= 2
-        and _kernel_enabled()
+        and triton_kernels_enabled()
         and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]))
     )
 
