@@ -24,6 +24,7 @@ one entry point the optimizer and the distributed plan call.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -31,7 +32,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels import gram, kernel_handles
+from muon_plugin.kernels import gram, kernel_handles, use_symmetric_kernel
 
 Coefficients = tuple[float, float, float]
 
@@ -112,12 +113,20 @@ def zeropower(
     scale: float = 1.0,
     eps: float = EPS,
     overwrite_input: bool = False,
+    gram_space: bool | None = None,
 ) -> Tensor:
     """Approximate polar factor ``scale * U V^T`` of ``G`` (``..., m, n``), computed in bf16.
 
     Leading dimensions are a batch. ``scale`` is folded into the last step, so scaling the
     result costs nothing. The caller's tensor is left untouched unless ``overwrite_input`` is
-    set and ``G`` is a contiguous bf16 scratch buffer, which is then normalized in place.
+    set and ``G`` is a contiguous bf16 scratch buffer, which may then be overwritten.
+    ``gram_space`` picks :func:`iterate_gram` (True) or :func:`iterate` (False); by default
+    :func:`use_gram_iteration` decides from the shape.
+
+    The input is divided by ``safety * ||G||_F``. Where the first step's ``m x m`` products
+    run in the Triton kernel, that division is folded into them (the norm is the trace of
+    the Gram matrix, and the ``m x m`` results are scaled instead of the ``m x n`` input);
+    elsewhere the bf16 copy is scaled in place first.
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
@@ -126,12 +135,39 @@ def zeropower(
     X = G.reshape(-1, shape[-2], shape[-1])
     if not (overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()):
         X = X.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
-    X.mul_((norm * schedule.norm_safety).clamp_min_(eps).reciprocal_().to(torch.bfloat16))
     tall = X.size(-2) > X.size(-1)
-    X = iterate(X.mT if tall else X, schedule.coefficients, scale, transpose_result=tall)
+    wide = X.mT if tall else X
+    if gram_space is None:
+        gram_space = use_gram_iteration(wide)
+    fold = gram_space or uses_q_form(wide)
+    if not fold:
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
+        X.mul_((norm * schedule.norm_safety).clamp_min_(eps).reciprocal_().to(torch.bfloat16))
+    run = iterate_gram if gram_space else iterate
+    normalize = Normalization(schedule.norm_safety, eps) if fold else None
+    X = run(wide, schedule.coefficients, scale, transpose_result=tall, normalize=normalize)
     return X.reshape(shape)
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Divide the input by ``safety * ||X||_F`` inside the iteration (see :func:`zeropower`)."""
+
+    safety: float
+    eps: float = EPS
+
+    def inverse_norms(self, gram_matrix: Tensor) -> Tensor:
+        """``1 / (safety * ||X||_F)`` per matrix, (B, 1, 1) fp32, from ``trace(X X^T)``."""
+        trace = gram_matrix.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)
+        norm = trace.clamp_min(0.0).sqrt_().mul_(self.safety).clamp_min_(self.eps)
+        return norm.reciprocal_().view(-1, 1, 1)
+
+
+def uses_q_form(X: Tensor) -> bool:
+    """Whether :func:`iterate` runs the ``m x m`` products of the wide batch ``X`` in Triton."""
+    m = X.size(-2)
+    return kernel_handles(X[..., :m])  # the shape, dtype and device of X's Gram matrix
 
 
 def iterate(
@@ -140,6 +176,7 @@ def iterate(
     scale: float = 1.0,
     *,
     transpose_result: bool = False,
+    normalize: Normalization | None = None,
 ) -> Tensor:
     """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
 
@@ -148,14 +185,25 @@ def iterate(
     once, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``); elsewhere one
     ``baddbmm``. With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is
     symmetric), so a tall input's result comes out contiguous in its own orientation.
+    ``normalize`` (Q-form only) divides the unnormalized input by its norm in the first step:
+    ``A`` by the norm squared, ``Q`` by the norm.
     """
+    q_form = uses_q_form(X)
+    if normalize is not None and not q_form:
+        raise ValueError("iterate folds the normalization only where the Q-form step runs")
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)
         s = scale if i == last else 1.0
         final_transposed = i == last and transpose_result
-        if kernel_handles(A):
+        if q_form:
+            inv = None
+            if i == 0 and normalize is not None:
+                inv = normalize.inverse_norms(A)
+                A.mul_((inv * inv).to(A.dtype))
             Q = gram(A, alpha=c * s, C=A, beta=b * s, gamma=a * s)
+            if inv is not None:
+                Q.mul_(inv.to(Q.dtype))
             if final_transposed:
                 return torch.bmm(X.mT, Q)
             X = torch.bmm(Q, X)
@@ -165,6 +213,100 @@ def iterate(
             return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
     return X
+
+
+# Gram-space iteration: the Gram matrix is stored as GRAM_SCALE_CAP-capped ``m * X X^T`` in
+# fp16 (entries of order one, 3 more mantissa bits than bf16), and X and its Gram matrix are
+# re-formed after every 3 steps (every 2 below m = 256), before rounding errors in the
+# accumulated polynomial grow. Measured against the fp64 loop (tests, docs/performance.md):
+# with these intervals the result is closer to it than the bf16 plain loop's; one more step
+# between restarts is not, for small m.
+GRAM_SCALE_CAP = 8192.0
+
+
+def gram_restart_interval(m: int) -> int:
+    """Steps accumulated in Gram space before ``X`` and its Gram matrix are re-formed."""
+    return 3 if m >= 256 else 2
+
+# Wide enough that skipping (n / m)-sized work pays for the extra m x m products (measured
+# on an H200: see docs/performance.md).
+GRAM_MIN_ASPECT = 2.0
+
+
+def use_gram_iteration(X: Tensor) -> bool:
+    """Whether the wide batch ``X`` (``..., m, n``, ``m <= n``) is iterated in Gram space.
+
+    Only where the Triton kernel runs the ``m x m`` products (it forms ``a I + b R + c R^2``
+    in fp32 before its single rounding, which the first, nearly cancelling polynomial needs)
+    and ``n >= GRAM_MIN_ASPECT * m``; never with ``MUON_PLUGIN_DISABLE_GRAM=1``.
+    """
+    if os.environ.get("MUON_PLUGIN_DISABLE_GRAM", "0") == "1":
+        return False
+    m, n = X.shape[-2:]
+    batch = math.prod(X.shape[:-2])
+    return n >= GRAM_MIN_ASPECT * m and kernel_handles(X) and use_symmetric_kernel(m, m, batch)
+
+
+def iterate_gram(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float = 1.0,
+    *,
+    transpose_result: bool = False,
+    normalize: Normalization | None = None,
+    restart_every: int | None = None,
+) -> Tensor:
+    """:func:`iterate` run on the ``m x m`` Gram matrix of a wide batch ``X`` (``m <= n``).
+
+    Every step's ``Q_k = a I + b R_k + c R_k^2`` is a polynomial in ``R_0 = X X^T``, so all
+    ``Q``s and ``R``s commute and ``R_{k+1} = Q_k R_k Q_k``: the steps run on ``m x m``
+    symmetric matrices (half-cost symmetric products) and ``X`` is touched only when the
+    accumulated ``Q = Q_0 Q_1 ...`` is applied, at a restart (every ``restart_every`` steps,
+    default :func:`gram_restart_interval`, which bounds the error of the accumulated product)
+    and at the end. For ``n >> m`` this
+    skips most of the ``m x n`` work of :func:`iterate`. The ``m x m`` matrices are fp16
+    (the Gram matrix scaled by ``m``), ``X`` stays bf16. Same result as :func:`iterate` up to
+    rounding (tested against it). ``normalize`` divides the unnormalized input by its norm:
+    the first Gram matrix (formed in fp32) by the norm squared, the first ``Q`` applied to
+    ``X`` by the norm.
+    """
+    if restart_every is None:
+        restart_every = gram_restart_interval(X.size(-2))
+    s = min(float(X.size(-2)), GRAM_SCALE_CAP)
+    half = torch.float16
+    inv = None
+    if normalize is None:
+        R = gram(X, alpha=s, out_dtype=half)
+    else:
+        R32 = gram(X, out_dtype=torch.float32)
+        inv = normalize.inverse_norms(R32)
+        R = R32.mul_(inv * inv * s).to(half)
+        del R32
+    Q: Tensor | None = None
+    taken = 0  # steps accumulated in Q since X was last re-formed
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        k = scale if i == last else 1.0
+        # Z = a I + b (R / s) + c (R / s)^2, summed in fp32 and rounded once.
+        Z = gram(R, alpha=c * k / s**2, C=R, beta=b * k / s, gamma=a * k, out_dtype=half)
+        Q = Z if Q is None else gram(Q, Y=Z)
+        taken += 1
+        if i == last:
+            break
+        if taken == restart_every:
+            X = torch.bmm(_applied(Q, inv, X.dtype), X)
+            R = gram(X, alpha=s, out_dtype=half)
+            Q, taken, inv = None, 0, None
+        else:
+            R = gram(gram(Z, Y=R), Y=Z)  # Z R Z, symmetric since Z and R commute
+    assert Q is not None
+    Q = _applied(Q, inv, X.dtype)
+    return torch.bmm(X.mT, Q) if transpose_result else torch.bmm(Q, X)
+
+
+def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``Q`` (times the pending inverse norms, if any) in X's dtype, ready to multiply X."""
+    return Q.to(dtype) if inv is None else (Q * inv).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,29 @@ out = torch.full((1, 24, 24), float("nan"))
 res = symmetric_matmul(X, out=out)
 assert res is out
 report("out=", out, X.double() @ X.double().mT)
+
+# Gram-space products: Y commutes with X (a polynomial in it), the result is rounded to fp16.
+S = sym(2, 40, torch.float64) / 10
+P = S @ S - 2 * S  # commutes with S, so S @ P^T = S @ P is symmetric
+y = symmetric_matmul(S.to(torch.float16), Y=P.to(torch.float16), alpha=0.5)
+report("Y operand, fp16", y, 0.5 * (S @ P))
+Xb = torch.randn(2, 36, 64, dtype=torch.bfloat16)
+y = symmetric_matmul(Xb, alpha=36.0, out_dtype=torch.float16)
+assert y.dtype == torch.float16
+report("bf16 in, fp16 out", y, 36.0 * (Xb.double() @ Xb.double().mT))
+
+# The TMA (tensor-descriptor) kernel, launched directly: batch rows run into the next batch.
+import triton
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+X = torch.randn(3, 33, 40)
+C = sym(3, 33, torch.float32)
+out = torch.full((3, 33, 33), float("nan"))
+args = (X, X, C, out, 33, 40, 99, *C.stride(), *out.stride(), 0.5, -2.0, 1.5)
+st._syrk_tma_kernel[(st._num_programs(33, 16, 32), 3)](
+    *args, HAS_C=True, HAS_DIAG=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=16
+)
+eye = torch.eye(33, dtype=torch.float64)
+report("TMA kernel", out, 0.5 * (X.double() @ X.double().mT) - 2.0 * C.double() + 1.5 * eye)
 """
 
 
@@ -128,9 +151,9 @@ def test_kernel_matches_reference_in_interpreter():
     proc = _run_python(_INTERPRETER_CASES, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 13, proc.stdout
+    assert len(rows) == 16, proc.stdout
     for r in rows:
-        tol = 1e-5 if r["dtype"] == "torch.float32" else 1e-2
+        tol = {"torch.float32": 1e-5, "torch.float16": 2e-3}.get(r["dtype"], 1e-2)
         assert r["written"], r
         assert r["symmetric"], r
         assert r["err"] < tol, r

@@ -142,28 +142,103 @@ def test_stack_applies_lr_shape_factor():
     assert rel_err(out, math.sqrt(3) * zeropower(X, 5).float()) < 1e-2
 
 
+def kernel_like_gram(X, *, Y=None, alpha=1.0, C=None, beta=0.0, gamma=0.0, out_dtype=None):
+    """Emulates the Triton kernel: fp32 accumulation and epilogue, then one rounding."""
+    X32 = X.float()
+    Y32 = X32 if Y is None else Y.float()
+    out = alpha * (X32 @ Y32.mT) + gamma * torch.eye(X.shape[-2])
+    if C is not None:
+        out = out + beta * C.float()
+    return out.to(out_dtype or X.dtype)
+
+
+def float64_polynomial(G: torch.Tensor, steps: int = 5, scale: float = 1.0) -> torch.Tensor:
+    """The intended map in fp64: normalize, then the Polar Express steps (tall: transposed)."""
+    sched = coefficient_schedule("polar_express", steps)
+    X = G.double() / (G.double().norm(dim=(-2, -1), keepdim=True) * sched.norm_safety)
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    for a, b, c in sched.coefficients:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return scale * (X.mT if tall else X)
+
+
 def test_fused_identity_form_matches_baddbmm_form(monkeypatch):
     """The Q = aI + bA + cA^2, X <- Q X form (used with the Triton kernel) is the same map.
 
-    ``gram`` is replaced by an emulation of the kernel: fp32 accumulation and epilogue, then a
-    single rounding to bf16.
+    ``gram`` is replaced by an emulation of the kernel. That path also folds the input's
+    normalization into the first step (norm from the Gram matrix's trace).
     """
     import muon_plugin.orthogonalize as ortho
-
-    def kernel_like_gram(X, *, alpha=1.0, C=None, beta=0.0, gamma=0.0):
-        X32 = X.float()
-        out = alpha * (X32 @ X32.mT) + gamma * torch.eye(X.shape[-2])
-        if C is not None:
-            out = out + beta * C.float()
-        return out.to(X.dtype)
 
     for shape in [(48, 160), (160, 48), (2, 32, 32)]:
         G = gradient_like(*shape, seed=11)
         plain = zeropower(G, 5)
         monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
         monkeypatch.setattr(ortho, "gram", kernel_like_gram)
-        fused = zeropower(G, 5, scale=1.5)
+        fused = zeropower(G, 5, scale=1.5, gram_space=False)
         monkeypatch.undo()
         assert fused.shape == G.shape
-        assert rel_err(fused, 1.5 * plain.float()) < 3e-2
+        assert rel_err(fused, 1.5 * plain.float()) < 5e-2  # two bf16 roundings apart
         assert rel_err(fused / 1.5, polar(G)) < 0.12
+        assert rel_err(fused, float64_polynomial(G, scale=1.5)) < 4e-2
+
+
+@pytest.mark.parametrize("emulate_kernel", [False, True], ids=["torch", "kernel-like"])
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 32, 100), (24, 200)], ids=str)
+def test_gram_space_iteration_matches_plain_loop(monkeypatch, shape, emulate_kernel):
+    """Gram-space iteration (fp16 m x m matrices, restarts) computes the same polynomial map.
+
+    Oracle: the plain loop in fp64. The Gram-space result must be as close to it as the bf16
+    plain loop is (it is usually closer: its m x m products carry 3 more mantissa bits).
+    """
+    import muon_plugin.orthogonalize as ortho
+
+    G = gradient_like(*shape, seed=12)
+    ref = float64_polynomial(G, scale=0.7)
+    plain_err = rel_err(zeropower(G, 5, scale=0.7, gram_space=False), ref)
+    if emulate_kernel:
+        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+    out = zeropower(G, 5, scale=0.7, gram_space=True)
+    assert out.shape == G.shape and out.dtype == torch.bfloat16
+    err = rel_err(out, ref)
+    assert err < 1.25 * plain_err + 2e-3, (err, plain_err)
+    assert rel_err(out / 0.7, polar(G)) < 0.12
+
+
+def test_gram_space_restart_every_step_is_the_plain_q_form_loop(monkeypatch):
+    """With a restart after every step the Gram-space loop is the Q-form loop (fp16 Q)."""
+    import muon_plugin.orthogonalize as ortho
+
+    monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+    G = gradient_like(2, 40, 120, seed=13)
+    X = G.to(torch.bfloat16)
+    X = X / (X.float().norm(dim=(-2, -1), keepdim=True) * 1.01).to(torch.bfloat16)
+    coefficients = coefficient_schedule("polar_express", 6).coefficients
+    every_step = ortho.iterate_gram(X, coefficients, restart_every=1)
+    q_form = ortho.iterate(X, coefficients)
+    assert rel_err(every_step, q_form) < 3e-2  # fp16 vs bf16 m x m matrices, 6 steps
+
+
+@pytest.mark.parametrize("gram_space", [False, True])
+def test_zero_input_stays_zero_on_every_path(monkeypatch, gram_space):
+    import muon_plugin.orthogonalize as ortho
+
+    monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
+    monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+    out = zeropower(torch.zeros(2, 16, 40), 5, gram_space=gram_space)
+    assert torch.isfinite(out).all() and (out == 0).all()
+
+
+def test_gram_iteration_needs_the_kernel_and_a_wide_shape(monkeypatch):
+    import muon_plugin.orthogonalize as ortho
+
+    X = torch.zeros(1, 4096, 14336, dtype=torch.bfloat16, device="meta")
+    assert not ortho.use_gram_iteration(X)  # not CUDA: the kernel does not run
+    monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
+    assert ortho.use_gram_iteration(X)
+    assert not ortho.use_gram_iteration(X[..., :4096])  # square: plain loop is cheaper
+    assert not ortho.use_gram_iteration(X[:, :1024, :])  # m x m products too small
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_GRAM", "1")
+    assert not ortho.use_gram_iteration(X)

@@ -1,4 +1,7 @@
-"""Triton kernel for ``out = alpha * X @ X.mT + beta * C`` (symmetric rank-k update).
+"""Triton kernel for ``out = alpha * X @ Y.mT + beta * C + gamma * I`` with a symmetric result.
+
+``Y`` is ``X`` (a symmetric rank-k update, ``X X^T``) or a matrix for which the caller knows
+``X @ Y.mT`` is symmetric (two commuting symmetric matrices, as in Gram-space iteration).
 
 This module imports triton at top level; import it only through
 ``muon_plugin.kernels.symmetric``, which guards the import.
@@ -63,8 +66,59 @@ def _upper_tile(pid, RATIO: tl.constexpr):
 
 
 @triton.jit
+def _store_symmetric(
+    acc,
+    offs_i,
+    offs_j,
+    M,
+    C,
+    OUT,
+    pid_b,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
+    HAS_C: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+):
+    """``alpha * acc + beta * C + gamma * I``, rounded once, stored as a tile and its mirror."""
+    rows = offs_i[:, None]
+    cols = offs_j[None, :]
+    res = acc * alpha
+    if HAS_C:
+        # C is taken as symmetric: only its upper triangle is used (the tile is
+        # loaded whole, but the masks below keep only rows <= cols of it).
+        c_ptrs = C + pid_b * stride_cb + rows * stride_cm + cols * stride_cn
+        c = tl.load(c_ptrs, mask=(rows < M) & (cols < M), other=0.0)
+        res += beta * c.to(tl.float32)
+    if HAS_DIAG:  # + gamma * I, added in fp32 before the single rounding to OUT's dtype
+        res += tl.where(rows == cols, gamma, 0.0)
+    res = res.to(OUT.dtype.element_ty)
+
+    o_base = OUT + pid_b * stride_ob
+    # Upper part: rows <= cols (the whole tile when it lies above the diagonal).
+    tl.store(o_base + rows * stride_om + cols * stride_on, res, mask=(rows <= cols) & (cols < M))
+    # Mirror: element (a, b) of the tile goes to (offs_j[b], offs_i[a]) when it is strictly
+    # upper; the lower part of a tile on the diagonal is left to the mirror of its upper
+    # part, so every element is written once and the output is exactly symmetric.
+    rows_t = offs_j[:, None]
+    cols_t = offs_i[None, :]
+    tl.store(
+        o_base + rows_t * stride_om + cols_t * stride_on,
+        tl.trans(res),
+        mask=(rows_t > cols_t) & (rows_t < M),
+    )
+
+
+@triton.jit
 def _syrk_kernel(
     X,
+    Y,
     C,
     OUT,
     M,
@@ -72,6 +126,9 @@ def _syrk_kernel(
     stride_xb,
     stride_xm,
     stride_xk,
+    stride_yb,
+    stride_ym,
+    stride_yk,
     stride_cb,
     stride_cm,
     stride_cn,
@@ -100,6 +157,7 @@ def _syrk_kernel(
     offs_i = tile_i * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = tile_j * BLOCK_N + tl.arange(0, BLOCK_N)
     x_base = X + pid_b * stride_xb
+    y_base = Y + pid_b * stride_yb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EVEN_M:  # M is a multiple of BLOCK_N (and so of BLOCK_M): no row past M
         ld_i = offs_i
@@ -111,7 +169,7 @@ def _syrk_kernel(
         ld_j = offs_j % M
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_base + ld_i[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    b_ptrs = x_base + ld_j[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    b_ptrs = y_base + ld_j[:, None] * stride_ym + offs_k[None, :] * stride_yk
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -125,33 +183,136 @@ def _syrk_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xk
-        b_ptrs += BLOCK_K * stride_xk
+        b_ptrs += BLOCK_K * stride_yk
 
-    rows = offs_i[:, None]
-    cols = offs_j[None, :]
-    res = acc * alpha
-    if HAS_C:
-        # C is taken as symmetric: only its upper triangle is used (the tile is
-        # loaded whole, but the masks below keep only rows <= cols of it).
-        c_ptrs = C + pid_b * stride_cb + rows * stride_cm + cols * stride_cn
-        c = tl.load(c_ptrs, mask=(rows < M) & (cols < M), other=0.0)
-        res += beta * c.to(tl.float32)
-    if HAS_DIAG:  # + gamma * I, added in fp32 before the single rounding to OUT's dtype
-        res += tl.where(rows == cols, gamma, 0.0)
-    res = res.to(OUT.dtype.element_ty)
+    _store_symmetric(
+        acc,
+        offs_i,
+        offs_j,
+        M,
+        C,
+        OUT,
+        pid_b,
+        stride_cb,
+        stride_cm,
+        stride_cn,
+        stride_ob,
+        stride_om,
+        stride_on,
+        alpha,
+        beta,
+        gamma,
+        HAS_C,
+        HAS_DIAG,
+    )
 
-    o_base = OUT + pid_b * stride_ob
-    # Upper part: rows <= cols (the whole tile when it lies above the diagonal).
-    tl.store(o_base + rows * stride_om + cols * stride_on, res, mask=(rows <= cols) & (cols < M))
-    # Mirror: element (a, b) of the tile goes to (offs_j[b], offs_i[a]) when it is strictly
-    # upper; the lower part of a tile on the diagonal is left to the mirror of its upper
-    # part, so every element is written once and the output is exactly symmetric.
-    rows_t = offs_j[:, None]
-    cols_t = offs_i[None, :]
-    tl.store(
-        o_base + rows_t * stride_om + cols_t * stride_on,
-        tl.trans(res),
-        mask=(rows_t > cols_t) & (rows_t < M),
+
+@triton.jit
+def _syrk_tma_kernel(
+    X,
+    Y,
+    C,
+    OUT,
+    M,
+    K,
+    ROWS,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    gamma,
+    HAS_C: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``_syrk_kernel`` for contiguous X, Y on Hopper: operands arrive by TMA (bulk tensor copies).
+
+    X and Y are viewed as ``(ROWS = batch * M, K)``; a tile that runs past row M of its batch
+    reads the next batch's rows (or TMA's zero fill), which only reach the masked-out part of
+    the output tile.
+    """
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    tile_i, tile_j = _upper_tile(pid, BLOCK_N // BLOCK_M)
+    if tile_i * BLOCK_M >= M:
+        return
+    x_desc = tl.make_tensor_descriptor(X, [ROWS, K], [K, 1], [BLOCK_M, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(Y, [ROWS, K], [K, 1], [BLOCK_N, BLOCK_K])
+    row_a = pid_b * M + tile_i * BLOCK_M
+    row_b = pid_b * M + tile_j * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        a = x_desc.load([row_a, kk * BLOCK_K])
+        b = y_desc.load([row_b, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    offs_i = tile_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = tile_j * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_symmetric(
+        acc,
+        offs_i,
+        offs_j,
+        M,
+        C,
+        OUT,
+        pid_b.to(tl.int64),
+        stride_cb,
+        stride_cm,
+        stride_cn,
+        stride_ob,
+        stride_om,
+        stride_on,
+        alpha,
+        beta,
+        gamma,
+        HAS_C,
+        HAS_DIAG,
+    )
+
+
+def _tma_configs() -> list[triton.Config]:
+    shapes = [
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (128, 128, 64, 8, 5),
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (128, 128, 128, 8, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+syrk_tma_autotuned = triton.autotune(configs=_tma_configs(), key=["M", "K", "HAS_C"])(
+    _syrk_tma_kernel
+)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_eligible(X: torch.Tensor, Y: torch.Tensor) -> bool:
+    """TMA loads need Hopper or newer, contiguous operands and 16-byte aligned rows."""
+    if INTERPRET or os.environ.get("MUON_PLUGIN_SYRK_TMA", "1") == "0" or not X.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(X.device)[0] < 9:
+        return False
+    k = X.shape[-1]
+    return (
+        X.is_contiguous()
+        and Y.is_contiguous()
+        and (k * X.element_size()) % 16 == 0
+        and X.data_ptr() % 16 == 0
+        and Y.data_ptr() % 16 == 0
     )
 
 
@@ -181,10 +342,13 @@ def launch(
     beta: float,
     config: dict | None = None,
     gamma: float = 0.0,
+    Y: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on 3-D tensors X (B, M, K), C (B, M, M) or None, out (B, M, M).
+    """Launch on 3-D tensors X, Y (B, M, K), C (B, M, M) or None, out (B, M, M).
 
-    Computes ``alpha * X @ X^T + beta * C + gamma * I``.
+    Computes ``alpha * X @ Y^T + beta * C + gamma * I`` (``Y`` defaults to ``X``); only the
+    upper triangle is computed, so ``X @ Y^T`` must be symmetric. ``out`` may have its own
+    dtype (the fp32 result is rounded once to it).
 
     ``config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses
     autotuning; the interpreter always uses a fixed config.
@@ -196,8 +360,11 @@ def launch(
         precision = "tf32"
     has_c = C is not None
     c_arg = C if has_c else out  # dummy pointer, never read
+    if Y is None:
+        Y = X
     args = (
         X,
+        Y,
         c_arg,
         out,
         m,
@@ -205,6 +372,9 @@ def launch(
         X.stride(0),
         X.stride(1),
         X.stride(2),
+        Y.stride(0),
+        Y.stride(1),
+        Y.stride(2),
         c_arg.stride(0),
         c_arg.stride(1),
         c_arg.stride(2),
@@ -221,7 +391,9 @@ def launch(
         config = config or INTERPRET_CONFIG
     else:
         flags["UPCAST"] = False
-    key = (m, k, has_c, X.dtype, c_arg.dtype, precision)
+    if X.dtype != torch.float32 and tma_eligible(X, Y):
+        return _launch_tma(X, Y, c_arg, out, args, flags, (batch, m, k), config)
+    key = (m, k, has_c, X.dtype, c_arg.dtype, out.dtype, precision)
     if config is None:
         config = _tuned.get(key)
     if config is None:
@@ -248,3 +420,33 @@ def best_config(X: torch.Tensor, has_c: bool = False) -> dict | None:
         if key[:4] == (m, k, has_c, X.dtype):
             return cfg
     return None
+
+
+def _launch_tma(
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    c_arg: torch.Tensor,
+    out: torch.Tensor,
+    args: tuple,
+    flags: dict,
+    dims: tuple[int, int, int],
+    config: dict | None,
+) -> torch.Tensor:
+    """``launch`` through ``_syrk_tma_kernel`` (autotuned once per key, as ``launch``)."""
+    batch, m, k = dims
+    triton.set_allocator(_tma_scratch)
+    # The pointer kernel's args minus the 6 X/Y strides (args[6:12]).
+    tma_args = (X, Y, c_arg, out, m, k, batch * m, *args[12:])
+    tma_flags = {"HAS_C": flags["HAS_C"], "HAS_DIAG": flags["HAS_DIAG"]}
+    key = ("tma", m, k, flags["HAS_C"], X.dtype, c_arg.dtype, out.dtype)
+    if config is None:
+        config = _tuned.get(key)
+    if config is None:
+        grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
+        syrk_tma_autotuned[grid](*tma_args, **tma_flags)
+        best = syrk_tma_autotuned.best_config
+        _tuned[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    else:
+        grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
+        _syrk_tma_kernel[grid](*tma_args, **tma_flags, **config)
+    return out

@@ -83,22 +83,34 @@ def _check_c(C: torch.Tensor, X: torch.Tensor) -> None:
 def symmetric_matmul(
     X: torch.Tensor,
     *,
+    Y: torch.Tensor | None = None,
     alpha: float = 1.0,
     C: torch.Tensor | None = None,
     beta: float = 0.0,
     out: torch.Tensor | None = None,
     gamma: float = 0.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``alpha * X @ X.mT + beta * C (+ gamma * I)`` with the Triton kernel; X is (..., m, k).
+    """``alpha * X @ Y.mT + beta * C (+ gamma * I)`` with the Triton kernel; X is (..., m, k).
 
-    Accumulates in fp32 and returns X.dtype. Only upper-triangle tiles are computed and then
-    mirrored, so the output is exactly symmetric. C, if given, is (..., m, m) (broadcast over
-    the batch) and is taken as symmetric: only its upper triangle is read. ``out`` must not
-    overlap X or C. Needs a GPU that Triton supports, or TRITON_INTERPRET=1 set before the
-    first call (then CPU tensors work, slowly).
+    ``Y`` (same shape and dtype as X) defaults to X; otherwise the caller guarantees that
+    ``X @ Y.mT`` is symmetric (e.g. two commuting symmetric matrices). Accumulates in fp32
+    and returns ``out_dtype`` (default X.dtype). Only upper-triangle tiles are computed and
+    then mirrored, so the output is exactly symmetric. C, if given, is (..., m, m) (broadcast
+    over the batch) and is taken as symmetric: only its upper triangle is read. ``out`` must
+    not overlap X, Y or C. Needs a GPU that Triton supports, or TRITON_INTERPRET=1 set before
+    the first call (then CPU tensors work, slowly).
     """
     if X.dtype not in _LAUNCH_DTYPES:
         raise TypeError(f"symmetric_matmul supports bf16/fp16/fp32, got {X.dtype}")
+    if Y is not None and (Y.shape != X.shape or Y.dtype != X.dtype or Y.device != X.device):
+        raise ValueError(
+            f"Y must match X: got Y {tuple(Y.shape)} {Y.dtype} on {Y.device}, "
+            f"X {tuple(X.shape)} {X.dtype} on {X.device}"
+        )
+    out_dtype = out_dtype or X.dtype
+    if out_dtype not in _LAUNCH_DTYPES:
+        raise TypeError(f"symmetric_matmul writes bf16/fp16/fp32, got out_dtype={out_dtype}")
     mod = _triton_module()
     if not (X.is_cuda or mod.INTERPRET):
         raise RuntimeError(
@@ -109,6 +121,7 @@ def symmetric_matmul(
     m, k = X.shape[-2:]
     out_shape = (*X.shape[:-1], m)
     X3 = X if X.dim() == 3 else X.reshape(-1, m, k)
+    Y3 = None if Y is None else (Y if Y.dim() == 3 else Y.reshape(-1, m, k))
 
     C3 = None
     if C is not None:
@@ -117,41 +130,45 @@ def symmetric_matmul(
         C3 = C if C.dim() == 3 == X.dim() else C.expand(out_shape).reshape(-1, m, m)
 
     if out is None:
-        out = torch.empty(out_shape, dtype=X.dtype, device=X.device)
+        out = torch.empty(out_shape, dtype=out_dtype, device=X.device)
     else:
-        if tuple(out.shape) != out_shape or out.dtype != X.dtype or out.device != X.device:
+        if tuple(out.shape) != out_shape or out.dtype != out_dtype or out.device != X.device:
             raise ValueError(
-                f"out must be {out_shape} {X.dtype} on {X.device}, got "
+                f"out must be {out_shape} {out_dtype} on {X.device}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         out_ptr = out.untyped_storage().data_ptr()
-        for name, t in (("X", X), ("C", C)):
+        for name, t in (("X", X), ("Y", Y), ("C", C)):
             if t is not None and t.untyped_storage().data_ptr() == out_ptr:
                 raise ValueError(f"out must not share memory with {name}")
     if out.numel():  # k == 0 is fine: the kernel's loop does not run, leaving beta * C
-        mod.launch(X3, C3, out if out.dim() == 3 else out.view(-1, m, m), alpha, beta, gamma=gamma)
+        out3 = out if out.dim() == 3 else out.view(-1, m, m)
+        mod.launch(X3, C3, out3, alpha, beta, gamma=gamma, Y=Y3)
     return out
 
 
-def _torch_gram(X: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: float) -> torch.Tensor:
+def _torch_gram(
+    X: torch.Tensor, Y: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: float
+) -> torch.Tensor:
     """The cuBLAS / CPU path: same shapes and dtypes as the kernel."""
     if X.dim() == 2:
         if C is None:
             if alpha == 1:
-                return torch.mm(X, X.mT)
+                return torch.mm(X, Y.mT)
             C, beta = X.new_empty(X.shape[0], X.shape[0]), 0.0
-        return torch.addmm(C, X, X.mT, beta=beta, alpha=alpha)
+        return torch.addmm(C, X, Y.mT, beta=beta, alpha=alpha)
     X3, lead = _flatten(X)
+    Y3 = Y.reshape(X3.shape)
     m = X3.shape[1]
     if C is None:
         if alpha == 1:
-            res = torch.bmm(X3, X3.mT)
+            res = torch.bmm(X3, Y3.mT)
         else:
             empty = X3.new_empty(X3.shape[0], m, m)
-            res = torch.baddbmm(empty, X3, X3.mT, beta=0.0, alpha=alpha)
+            res = torch.baddbmm(empty, X3, Y3.mT, beta=0.0, alpha=alpha)
     else:
         C3 = C if X.dim() == 3 else C.expand(*lead, m, m).reshape(-1, m, m)
-        res = torch.baddbmm(C3, X3, X3.mT, beta=beta, alpha=alpha)
+        res = torch.baddbmm(C3, X3, Y3.mT, beta=beta, alpha=alpha)
     return res.view(*lead, m, m)
 
 
@@ -174,24 +191,34 @@ def kernel_handles(X: torch.Tensor) -> bool:
 def gram(
     X: torch.Tensor,
     *,
+    Y: torch.Tensor | None = None,
     alpha: float = 1.0,
     C: torch.Tensor | None = None,
     beta: float = 0.0,
     gamma: float = 0.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``alpha * X @ X.mT + beta * C + gamma * I`` for X (..., m, k); the optimizer's entry point.
+    """``alpha * X @ Y.mT + beta * C + gamma * I`` for X (..., m, k); the optimizer's entry point.
 
-    Uses the Triton kernel (see ``symmetric_matmul``; C must then be symmetric) where
-    ``kernel_handles(X)``: bf16/fp16 CUDA tensors in the shape region where it beats cuBLAS
-    (``use_symmetric_kernel``), unless triton is missing or MUON_PLUGIN_DISABLE_TRITON=1; the
-    kernel adds ``gamma * I`` in fp32 before rounding. Otherwise ``torch.mm``/``bmm``/``addmm``/
-    ``baddbmm`` (any C), then ``gamma`` on the diagonal. Both return X.dtype, (..., m, m).
+    ``Y`` defaults to X; a given ``Y`` must make ``X @ Y.mT`` symmetric (the kernel computes
+    only the upper triangle). Uses the Triton kernel (see ``symmetric_matmul``; C must then be
+    symmetric) where ``kernel_handles(X)``: bf16/fp16 CUDA tensors in the shape region where it
+    beats cuBLAS (``use_symmetric_kernel``), unless triton is missing or
+    MUON_PLUGIN_DISABLE_TRITON=1; the kernel adds ``gamma * I`` in fp32 and rounds once to
+    ``out_dtype``. Otherwise ``torch.mm``/``bmm``/``addmm``/``baddbmm`` (any C): in X's dtype
+    for a plain product, and with the kernel's numerics (fp32 inputs, one rounding at the
+    end) when ``gamma`` or ``out_dtype`` is given. Returns (..., m, m).
     """
     if C is not None:
         _check_c(C, X)
     if kernel_handles(X):
-        return symmetric_matmul(X, alpha=alpha, C=C, beta=beta, gamma=gamma)
-    out = _torch_gram(X, alpha, C, beta)
-    if gamma != 0.0:
-        out.diagonal(dim1=-2, dim2=-1).add_(gamma)
-    return out
+        return symmetric_matmul(
+            X, Y=Y, alpha=alpha, C=C, beta=beta, gamma=gamma, out_dtype=out_dtype
+        )
+    Y = X if Y is None else Y
+    if gamma == 0.0 and out_dtype in (None, X.dtype):
+        return _torch_gram(X, Y, alpha, C, beta)
+    f32 = torch.float32
+    out = _torch_gram(X.to(f32), Y.to(f32), alpha, None if C is None else C.to(f32), beta)
+    out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return out.to(out_dtype or X.dtype)
