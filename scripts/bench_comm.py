@@ -100,12 +100,48 @@ def layouts_for(ws: int) -> list[str]:
     return out
 
 
+SHARDED_LAYOUTS = ("fsdp", "tp", "fsdp x tp", "hsdp")
+
+
+def shard_layers(
+    model: nn.Sequential, layout: str, ws: int, device_type: str = "cpu", tp: int = 2
+) -> None:
+    """Lay the layers of ``model`` out as ``layout`` (one of SHARDED_LAYOUTS) on ``ws`` ranks.
+
+    The real APIs, as torchtitan uses them: ``fully_shard`` per layer (FSDP: Shard(0) on a
+    1-D mesh), ``parallelize_module`` (TP), TP on a ``tp``-wide inner mesh dim then FSDP on the
+    outer one, or HSDP (Replicate x Shard(0)). Works on a meta-device model too.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if layout == "fsdp":
+        mesh = init_device_mesh(device_type, (ws,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+    elif layout == "tp":
+        mesh = init_device_mesh(device_type, (ws,))
+        for layer in model:
+            parallelize_module(layer, mesh, tp_plan())
+    elif layout == "fsdp x tp":
+        mesh = init_device_mesh(device_type, (ws // tp, tp), mesh_dim_names=("dp", "tp"))
+        for layer in model:
+            parallelize_module(layer, mesh["tp"], tp_plan())
+            fully_shard(layer, mesh=mesh["dp"])
+    elif layout == "hsdp":
+        mesh = init_device_mesh(device_type, (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+    else:
+        raise ValueError(f"not a sharded layout: {layout!r}")
+
+
 def build(layout: str, ws: int, dim: int, layers: int):
     """(named Muon params, replicate_group) of ``layout`` on ``ws`` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import parallelize_module
 
     group = None
     if layout == "experts":
@@ -115,23 +151,8 @@ def build(layout: str, ws: int, dim: int, layers: int):
             fully_shard(model, mesh=init_device_mesh("cpu", (ws,)))  # Shard(0): expert dim
         return list(model.named_parameters()), group
     model = dense_model(dim, layers)
-    if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (ws,))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-    elif layout == "tp":
-        mesh = init_device_mesh("cpu", (ws,))
-        for layer in model:
-            parallelize_module(layer, mesh, tp_plan())
-    elif layout == "fsdp x tp":
-        mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
-        for layer in model:
-            parallelize_module(layer, mesh["tp"], tp_plan())
-            fully_shard(layer, mesh=mesh["dp"])
-    elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
+    if layout in SHARDED_LAYOUTS:
+        shard_layers(model, layout, ws)
     elif layout == "replicate":
         mesh = init_device_mesh("cpu", (ws,))
         named = [
@@ -195,6 +216,29 @@ def allgather_bytes_per_rank(plan) -> float:
     return out
 
 
+def traffic(plan, stats: list[dict]) -> dict:
+    """Matrices and bytes of ``plan`` given every rank's ``plan.last_stats`` (rank order)."""
+    from muon_plugin.distributed.report import totals_per_rank
+
+    ws = len(stats)
+    report = plan.report()
+    sent = [s["send_bytes"] for s in stats]
+    received = [s["recv_bytes"] for s in stats]
+    total, bound = minimum_bytes(plan)
+    per_rank = totals_per_rank(report)
+    return {
+        "matrices": sum(row["matrices"] for row in report),
+        "matrices_per_rank": [per_rank[r]["matrices"] if r in per_rank else 0 for r in range(ws)],
+        "sent_mean": statistics.mean(sent),
+        "sent_max": max(sent),
+        "received_max": max(received),
+        "minimum_mean": total / ws,
+        "lower_bound_mean": bound / ws,
+        "allgather_recv_mean": allgather_bytes_per_rank(plan),
+        "collectives": stats[0]["collectives"],
+    }
+
+
 # ---------------------------------------------------------------------- workers
 
 
@@ -232,28 +276,12 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
             gathered = [None] * ws
             dist.all_gather_object(gathered, (stats, statistics.median(times)))
             if rank == 0:
-                report = plan.report()
-                sent = [s["send_bytes"] for s, _ in gathered]
-                received = [s["recv_bytes"] for s, _ in gathered]
-                total, bound = minimum_bytes(plan)
-                per_rank: dict[int, int] = {}
-                for row in report:
-                    for r, m in zip(row["ranks"], row["matrices_per_rank"], strict=True):
-                        per_rank[r] = per_rank.get(r, 0) + m
                 rows.append(
                     {
                         "world_size": ws,
                         "layout": layout,
                         "params": len(named),
-                        "matrices": sum(row["matrices"] for row in report),
-                        "matrices_per_rank": [per_rank.get(r, 0) for r in range(ws)],
-                        "sent_mean": statistics.mean(sent),
-                        "sent_max": max(sent),
-                        "received_max": max(received),
-                        "minimum_mean": total / ws,
-                        "lower_bound_mean": bound / ws,
-                        "allgather_recv_mean": allgather_bytes_per_rank(plan),
-                        "collectives": gathered[0][0]["collectives"],
+                        **traffic(plan, [s for s, _ in gathered]),
                         "step_ms": statistics.median(t for _, t in gathered) * 1e3,
                         "step_ms_max_rank": max(t for _, t in gathered) * 1e3,
                     }

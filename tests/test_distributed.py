@@ -13,18 +13,34 @@ so the spawn cost is paid a few times only) and checks that
 
 Gradients are random *local* data (identical across replicas), so the reference is built from
 ``grad.full_tensor()``, i.e. from torch's own reading of the layout.
+
+With ``MUON_TEST_BACKEND=nccl`` the same scenarios run on GPUs (one per rank), each scenario in
+its own job so that pass/fail is recorded per layout (also on gloo with ``MUON_TEST_PER_LAYOUT=1``),
+at the world sizes of ``MUON_TEST_WORLD_SIZES`` (default ``2,4,8``; more ranks than GPUs: skipped).
+There the parity with one process is up to a stated tolerance, see ``dist_utils.GPU_UPDATE_RTOL``.
+Bitwise parity on CPU holds for these world sizes 2 and 4; at 8 (gloo, per-layout jobs) the
+owners' MuonForeach stacks differ from the reference's and so can the rounding (seen: hsdp m2's
+update 2.9e-3 off, relative): run that with ``MUON_TEST_EXACT=0``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections import defaultdict
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from dist_utils import (
+    GPU_UPDATE_RTOL,
+    device,
+    device_type,
+    exact,
+    run_distributed,
+    update_difference,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -69,7 +85,7 @@ def set_random_grads(named: list[tuple[str, nn.Parameter]], step: int) -> None:
             p.grad = g
         else:
             gen = torch.Generator().manual_seed(seed_of(name, step))
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device)
 
 
 def check_index_maps(named: list[tuple[str, nn.Parameter]], label: str) -> None:
@@ -85,7 +101,9 @@ def check_index_maps(named: list[tuple[str, nn.Parameter]], label: str) -> None:
         expected = f
         for d in range(f.ndim):
             idx = [i for a, b in layout.index[d][j].runs for i in range(a, b)]
-            expected = expected.index_select(d, torch.tensor(idx, dtype=torch.long))
+            expected = expected.index_select(
+                d, torch.tensor(idx, dtype=torch.long, device=f.device)
+            )
         local = p.to_local()
         assert expected.shape == local.shape and torch.equal(expected, local), (
             f"{label}: index map of {name} {p.placements} wrong on coordinate {coord}"
@@ -136,6 +154,8 @@ def compare_with_single_process(
     """Run ``steps`` steps distributed and on gathered copies in this process; compare."""
     extra_groups = extra_groups or {}
     ref_named = [(n, nn.Parameter(full(p).detach().clone())) for n, p in named]
+    # Initial values, for comparing updates where only closeness holds (GPUs).
+    init = None if exact() else [q.detach().clone() for _, q in ref_named]
     opt = driver(split_groups(named, **extra_groups), replicate_group=replicate_group, **KWARGS)
     ref = driver(split_groups(ref_named, **extra_groups), **KWARGS)
     for step in range(steps):
@@ -145,8 +165,17 @@ def compare_with_single_process(
         opt.step()
         ref.step()
     muon_names = {n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]}
-    for (name, p), (_, q) in zip(named, ref_named, strict=True):
+    for i, ((name, p), (_, q)) in enumerate(zip(named, ref_named, strict=True)):
         got = full(p.detach())
+        if init is not None and name in muon_names:
+            rel = update_difference(got, q.detach(), init[i])
+            if dist.get_rank() == 0:
+                print(f"gpu parity {label} [{driver.__name__}] {name}: update differs by {rel:.2e}")
+            assert rel <= GPU_UPDATE_RTOL, (
+                f"{label} [{driver.__name__}]: the update of {name} differs from one process's "
+                f"by {rel:.3f} of its norm (tolerance {GPU_UPDATE_RTOL})"
+            )
+            continue
         if name not in muon_names:
             # AdamW's CPU kernels round the vectorized body and the tail of a tensor
             # differently, so shards of another length can differ in the last bit.
@@ -235,7 +264,7 @@ def blocks(d: int, h: int, n: int, seed: int = 0) -> nn.Sequential:
 def scenario_fsdp(rank: int, ws: int) -> None:
     """1-D FSDP Shard(0): even, uneven, empty local shards, flatten and split_sizes groups."""
     for driver in DRIVERS:
-        mesh = init_device_mesh("cpu", (ws,))
+        mesh = init_device_mesh(device_type(), (ws,))
         shapes = {
             "even": (32, 16),
             "uneven": (6, 8),  # chunks of 2 on 4 ranks: the last is empty
@@ -267,7 +296,7 @@ def scenario_fsdp(rank: int, ws: int) -> None:
 
 def scenario_fewer_matrices_than_ranks(rank: int, ws: int) -> None:
     """One matrix on every layout: idle ranks must still make the same collective calls."""
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     model = Mats({"only": (5, 7)}, seed=3)
     fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())
@@ -279,7 +308,7 @@ def scenario_fewer_matrices_than_ranks(rank: int, ws: int) -> None:
 
 def scenario_tp(rank: int, ws: int) -> None:
     """1-D TP: colwise Shard(0) and rowwise Shard(1) [d, d] matrices in one step, uneven d."""
-    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(device_type(), (ws,), mesh_dim_names=("tp",))
     for driver in DRIVERS:
         model = blocks(18, 36, 2)  # 18 rows over 4 ranks: 5, 5, 5, 3
         for block in model:
@@ -297,7 +326,7 @@ def scenario_tp(rank: int, ws: int) -> None:
 
 def scenario_fsdp_tp(rank: int, ws: int) -> None:
     """2-D FSDP x TP like torchtitan: parallelize_module on "tp", then fully_shard on "dp"."""
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, ws // 2), mesh_dim_names=("dp", "tp"))
     for driver in DRIVERS:
         for d, h in ((16, 32), (18, 36)):  # even, and uneven shards on both mesh dims
             model = blocks(d, h, 2, seed=d)
@@ -319,7 +348,7 @@ def scenario_fsdp_tp(rank: int, ws: int) -> None:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     opt = MuonForeach(split_groups(list(model.named_parameters())), **KWARGS)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).to(device())
     model(x).square().mean().backward()
     before = {n: p.full_tensor() for n, p in model.named_parameters()}
     opt.step()
@@ -329,7 +358,7 @@ def scenario_fsdp_tp(rank: int, ws: int) -> None:
 
 def scenario_hsdp(rank: int, ws: int) -> None:
     """HSDP (Replicate, Shard(0)): the work is split across the replicate dim too."""
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device_type(), (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     for driver in DRIVERS:
         shapes = {f"m{i}": (16, 24) for i in range(6)} | {"odd": (3, 8), "bias": (8,)}
         model = Mats(shapes, seed=4)
@@ -340,14 +369,18 @@ def scenario_hsdp(rank: int, ws: int) -> None:
         report = compare_with_single_process(named, driver, "hsdp")
         check_plan(report, "hsdp", matrices=7, balanced=True)
         for row in report:
-            # Owners on both replicas (with 6 equal matrices on 4 ranks: every rank works).
+            # Owners on both replicas (with 6 equal matrices on 4 ranks: every rank works;
+            # on 8 ranks: 6 ranks work, one matrix each).
             if row["matrices"] == 6:
-                assert all(m >= 1 for m in row["matrices_per_rank"]), row
+                if ws <= 6:
+                    assert all(m >= 1 for m in row["matrices_per_rank"]), row
+                else:
+                    assert max(row["matrices_per_rank"]) == 1, row
 
 
 def scenario_experts(rank: int, ws: int) -> None:
     """3-D expert stacks sharded on the expert dim: whole matrices are local, no traffic."""
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     for driver in DRIVERS:
         shapes = {"w1": (2 * ws, 12, 8), "w2": (2 * ws, 8, 12), "ragged": (ws + ws // 2, 6, 10)}
         model = Mats(shapes, seed=6)
@@ -367,7 +400,7 @@ def scenario_experts(rank: int, ws: int) -> None:
 
 def scenario_replicate_and_ddp(rank: int, ws: int) -> None:
     """Fully Replicate DTensors and plain DDP-style tensors: split, then all-gather results."""
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     shapes = {f"m{i}": (12 + 4 * (i % 2), 16) for i in range(3 * ws)}
     for driver in DRIVERS:
         model = Mats(shapes, seed=7)
@@ -379,7 +412,7 @@ def scenario_replicate_and_ddp(rank: int, ws: int) -> None:
         check_plan(report, "replicate", matrices=3 * ws, balanced=True)
         assert all(sum(r["gather_send_bytes_per_rank"]) == 0 for r in report), report
         # Plain tensors, identical on every rank (DDP), with the replicate group given.
-        model = Mats(shapes, seed=8)
+        model = Mats(shapes, seed=8).to(device())
         named = list(model.named_parameters())
         report = compare_with_single_process(named, driver, "ddp", replicate_group=dist.group.WORLD)
         check_plan(report, "ddp", matrices=3 * ws, balanced=True)
@@ -388,7 +421,7 @@ def scenario_replicate_and_ddp(rank: int, ws: int) -> None:
 
 def scenario_pipeline_submeshes(rank: int, ws: int) -> None:
     """Stages hold different params on different 2-D sub-meshes (a group made by members only)."""
-    root = init_device_mesh("cpu", (2, 1, ws // 2), mesh_dim_names=("pp", "dp", "tp"))
+    root = init_device_mesh(device_type(), (2, 1, ws // 2), mesh_dim_names=("pp", "dp", "tp"))
     stage = root.get_coordinate()[0]
     sub = root["dp", "tp"]
     shapes = {f"s{stage}_{i}": (16, 8 + 4 * stage) for i in range(2 + 3 * stage)}
@@ -404,8 +437,10 @@ def scenario_pipeline_submeshes(rank: int, ws: int) -> None:
 
 def scenario_refusals(rank: int, ws: int) -> None:
     """Partial placements and gradients laid out unlike their parameter are refused by name."""
-    mesh = init_device_mesh("cpu", (ws,))
-    partial = nn.Parameter(DTensor.from_local(torch.randn(8, 8), mesh, [Partial()]))
+    mesh = init_device_mesh(device_type(), (ws,))
+    partial = nn.Parameter(
+        DTensor.from_local(torch.randn(8, 8, device=device()), mesh, [Partial()])
+    )
     partial.grad = torch.zeros_like(partial)
     opt = Muon([("layers.0.bad.weight", partial)])
     with pytest.raises(ValueError, match=r"layers\.0\.bad\.weight.*Partial"):
@@ -419,32 +454,61 @@ def scenario_refusals(rank: int, ws: int) -> None:
 
 # ---------------------------------------------------------------------- jobs
 
+WORLD4_SCENARIOS = (
+    scenario_fsdp,
+    scenario_fewer_matrices_than_ranks,
+    scenario_tp,
+    scenario_fsdp_tp,
+    scenario_hsdp,
+    scenario_experts,
+    scenario_replicate_and_ddp,
+    scenario_pipeline_submeshes,
+    scenario_refusals,
+)
+WORLD2_SCENARIOS = (
+    scenario_fsdp,
+    scenario_fewer_matrices_than_ranks,
+    scenario_tp,
+    scenario_experts,
+    scenario_replicate_and_ddp,
+)
+
 
 def job_world4(rank: int, ws: int) -> None:
-    scenario_fsdp(rank, ws)
-    scenario_fewer_matrices_than_ranks(rank, ws)
-    scenario_tp(rank, ws)
-    scenario_fsdp_tp(rank, ws)
-    scenario_hsdp(rank, ws)
-    scenario_experts(rank, ws)
-    scenario_replicate_and_ddp(rank, ws)
-    scenario_pipeline_submeshes(rank, ws)
-    scenario_refusals(rank, ws)
+    for scenario in WORLD4_SCENARIOS:
+        scenario(rank, ws)
 
 
 def job_world2(rank: int, ws: int) -> None:
-    scenario_fsdp(rank, ws)
-    scenario_fewer_matrices_than_ranks(rank, ws)
-    scenario_tp(rank, ws)
-    scenario_experts(rank, ws)
-    scenario_replicate_and_ddp(rank, ws)
+    for scenario in WORLD2_SCENARIOS:
+        scenario(rank, ws)
 
 
-@pytest.mark.timeout(300)
-def test_layouts_world4():
-    run_distributed(job_world4, 4)
+def per_layout_cases() -> list:
+    """(world size, scenario) pairs: the 2-rank set at 2, the full set at 4 and above."""
+    sizes = [int(w) for w in os.environ.get("MUON_TEST_WORLD_SIZES", "2,4,8").split(",") if w]
+    return [
+        pytest.param(ws, s, id=f"world{ws}-{s.__name__.removeprefix('scenario_')}")
+        for ws in sizes
+        for s in (WORLD2_SCENARIOS if ws < 4 else WORLD4_SCENARIOS)
+    ]
 
 
-@pytest.mark.timeout(200)
-def test_layouts_world2():
-    run_distributed(job_world2, 2)
+if device_type() == "cuda" or os.environ.get("MUON_TEST_PER_LAYOUT") == "1":
+    # One job per scenario (NCCL; on gloo on request): pass/fail is recorded per layout, and
+    # a failing layout cannot take the others down with it.
+
+    @pytest.mark.timeout(300)
+    @pytest.mark.parametrize("ws,scenario", per_layout_cases())
+    def test_layout(ws, scenario):
+        run_distributed(scenario, ws)
+
+else:
+
+    @pytest.mark.timeout(300)
+    def test_layouts_world4():
+        run_distributed(job_world4, 4)
+
+    @pytest.mark.timeout(200)
+    def test_layouts_world2():
+        run_distributed(job_world2, 2)

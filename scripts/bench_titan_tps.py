@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Throughput of a torchtitan run with AdamW and with Muon: tokens/s from torchtitan's log.
+
+Runs ``scripts/train.sh CONFIG`` once per optimizer (``--optimizer.name AdamW`` / ``muon``) for
+``--steps`` steps with ``--metrics.log_freq 1``, parses torchtitan's per-step lines
+(``step: 5  loss: ...  tps: 12,345  tflops: ...``; tps is tokens per second per device), and
+reports the median tps over the steps after ``--skip`` (start-up, warm-up), and Muon / AdamW.
+
+    python scripts/bench_titan_tps.py CONFIG [--steps 12] [--skip 3] [--nproc N]
+        [--optimizers AdamW,muon] [--local-data] [--target 0.95] [--log-dir DIR]
+        [--results RESULTS.md] [--json out.json] [-- extra torchtitan overrides ...]
+
+``--local-data`` points the run at scripts/prepare_data.py's corpus and tokenizer (what
+train.sh builds under ``$DATA_DIR``, default data/): no hub access, e.g. for
+configs/llama3_8b_muon.toml on a machine without network. ``--nproc`` sets train.sh's NPROC
+(default: one per GPU, 2 on CPU); ``$PYTHON`` is passed through to train.sh. With
+``--results`` the table goes into RESULTS.md between ``<!-- bench_titan_tps:start -->`` and
+``<!-- bench_titan_tps:end -->``. CPU smoke test:
+
+    python scripts/bench_titan_tps.py configs/llama3_debug_muon.toml --nproc 2 --steps 4 --skip 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
+from results_md import replace_section  # noqa: E402
+
+MARK_START = "<!-- bench_titan_tps:start -->"
+MARK_END = "<!-- bench_titan_tps:end -->"
+STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.naNinf]+).*?tps:\s*([\d,]+)")
+MEM_RE = re.compile(r"memory:\s*([0-9.]+)GiB")
+
+
+def parse_log(text: str) -> dict[int, dict[str, float]]:
+    """Per step: loss and tps (tokens/s per device) of torchtitan's metric lines."""
+    out: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = STEP_RE.search(line)
+        if m:
+            mem = MEM_RE.search(line)
+            out.setdefault(
+                int(m.group(1)),
+                {
+                    "loss": float(m.group(2)),
+                    "tps": float(m.group(3).replace(",", "")),
+                    "mem_gib": float(mem.group(1)) if mem else float("nan"),
+                },
+            )
+    return out
+
+
+def summarize(optimizer: str, steps: dict[int, dict[str, float]], skip: int) -> dict:
+    kept = [v for s, v in sorted(steps.items()) if s > skip]
+    tps = [v["tps"] for v in kept]
+    return {
+        "optimizer": optimizer,
+        "steps_logged": len(steps),
+        "steps_used": len(kept),
+        "tps_median": statistics.median(tps) if tps else None,
+        "tps_min": min(tps) if tps else None,
+        "tps_max": max(tps) if tps else None,
+        "first_loss": steps[min(steps)]["loss"] if steps else None,
+        "last_loss": steps[max(steps)]["loss"] if steps else None,
+        "mem_gib": max((v["mem_gib"] for v in kept), default=None),
+    }
+
+
+def local_data_args() -> list[str]:
+    data = Path(os.environ.get("DATA_DIR", "data"))
+    if not data.is_absolute():
+        data = ROOT / data
+    return [
+        "--model.hf_assets_path", str(data / "tokenizer"),
+        "--training.dataset", "c4_test",
+        "--training.dataset_path", str(data / "corpus"),
+    ]  # fmt: skip
+
+
+def run_one(optimizer: str, args, extra: list[str]) -> tuple[str, int]:
+    """train.sh with ``optimizer``; (log text, return code). The log also goes to --log-dir."""
+    cmd = [
+        "bash", str(ROOT / "scripts" / "train.sh"), str(args.config),
+        "--optimizer.name", optimizer,
+        "--training.steps", str(args.steps),
+        "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing",
+        "--job.dump_folder", str(args.log_dir / f"dump_{optimizer}"),
+        *(local_data_args() if args.local_data else []),
+        *extra,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    if args.nproc:
+        env["NPROC"] = str(args.nproc)
+    print(f"[bench_titan_tps] {optimizer}: {' '.join(cmd)}", flush=True)
+    try:
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+        text, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        err = e.stderr or b""
+        text = (out.decode() if isinstance(out, bytes) else out) + (
+            err.decode() if isinstance(err, bytes) else err
+        )
+        rc = 124
+    (args.log_dir / f"{optimizer}.log").write_text(text)
+    return text, rc
+
+
+def table(rows: list[dict], target: float) -> tuple[str, str]:
+    lines = [
+        "| optimizer | tps / device (median) | min-max | steps used | loss first -> last | "
+        "peak mem GiB | status |",
+        "|" + " --- |" * 7,
+    ]
+    for r in rows:
+        if r["tps_median"] is None:
+            lines.append(f"| {r['optimizer']} | - | - | 0 | - | - | {r['status']} |")
+            continue
+        lines.append(
+            f"| {r['optimizer']} | {r['tps_median']:,.0f} | {r['tps_min']:,.0f}-"
+            f"{r['tps_max']:,.0f} | {r['steps_used']} | {r['first_loss']:.3f} -> "
+            f"{r['last_loss']:.3f} | {r['mem_gib']:.1f} | {r['status']} |"
+        )
+    by_name = {r["optimizer"].lower(): r for r in rows}
+    adam, muon = by_name.get("adamw"), by_name.get("muon")
+    verdict = ""
+    if adam and muon and adam["tps_median"] and muon["tps_median"]:
+        ratio = muon["tps_median"] / adam["tps_median"]
+        ok = "meets" if ratio >= target else "misses"
+        verdict = (
+            f"Muon / AdamW tokens/s = {ratio:.3f} ({100 * abs(1 - ratio):.1f}% "
+            f"{'slower' if ratio < 1 else 'faster'}); "
+            f"{ok} the target of >= {target:.2f}."
+        )
+    return "\n".join(lines), verdict
+
+
+def machine_text(nproc: int | None) -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = nproc or torch.cuda.device_count()
+            return f"{n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        return (
+            f"CPU ({os.cpu_count()} cores, gloo, {nproc or 2} processes), torch {torch.__version__}"
+        )
+    except Exception:
+        return "unknown machine"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--optimizers", default="AdamW,muon")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--nproc", type=int, default=None)
+    parser.add_argument("--local-data", action="store_true")
+    parser.add_argument("--target", type=float, default=0.95, help="wanted Muon / AdamW tps")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    parser.add_argument("--log-dir", type=Path, default=ROOT / "outputs" / "bench_titan_tps")
+    parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.config = args.config.resolve()
+    args.log_dir = args.log_dir.resolve()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    for optimizer in (o.strip() for o in args.optimizers.split(",") if o.strip()):
+        text, rc = run_one(optimizer, args, extra)
+        row = summarize(optimizer, parse_log(text), args.skip)
+        row["status"] = "ok" if rc == 0 and row["tps_median"] is not None else f"failed (rc {rc})"
+        if row["status"] != "ok":
+            print(text[-4000:], file=sys.stderr)
+        rows.append(row)
+    text, verdict = table(rows, args.target)
+    meta = (
+        f"{datetime.date.today().isoformat()}, {machine_text(args.nproc)}; "
+        f"{args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config}"
+        f", {args.steps} steps, median tps after step {args.skip}"
+        + (", local corpus and tokenizer (scripts/prepare_data.py)" if args.local_data else "")
+        + (f", overrides: `{' '.join(extra)}`" if extra else "")
+    )
+    print(meta)
+    print(text)
+    if verdict:
+        print(verdict)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": verdict}, indent=1))
+    if args.results:
+        section = "\n".join(
+            [
+                MARK_START,
+                "## torchtitan throughput, AdamW vs Muon (scripts/bench_titan_tps.py)",
+                "",
+                meta + ".",
+                "",
+                "tps is torchtitan's tokens per second per device (`--metrics.log_freq 1`); the "
+                "target is Muon within 5% of AdamW on 8 GPUs. Logs: `--log-dir`.",
+                "",
+                text,
+                "",
+                verdict,
+                MARK_END,
+                "",
+            ]
+        )
+        replace_section(args.results, section, MARK_START, MARK_END)
+        print(f"wrote {args.results}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
