@@ -228,6 +228,7 @@ def gram_restart_interval(m: int) -> int:
     """Steps accumulated in Gram space before ``X`` and its Gram matrix are re-formed."""
     return 3 if m >= 256 else 2
 
+
 # Wide enough that skipping (n / m)-sized work pays for the extra m x m products (measured
 # on an H200: see docs/performance.md).
 GRAM_MIN_ASPECT = 2.0

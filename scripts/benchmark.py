@@ -56,6 +56,7 @@ import torch  # noqa: E402
 
 import muon_plugin  # noqa: E402
 from muon_plugin import Muon, MuonForeach, zeropower  # noqa: E402
+from muon_plugin.orthogonalize import coefficient_schedule, use_gram_iteration  # noqa: E402
 
 SECTIONS = ("kernels", "ortho", "step", "memory")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
@@ -397,26 +398,46 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
     for shape in (scale_shape(s, cfg.div) for s in ORTHO_SHAPES):
         G = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)  # fp32, as
         flops = ns_flops(shape)  # the optimizer hands over momentum directions
-        variants: list[tuple[str, Callable[[], Any], dict]] = [
-            ("polar_express", lambda G=G: zeropower(G, 5, "polar_express"), {}),
-            ("newton_schulz", lambda G=G: zeropower(G, 5, "newton_schulz"), {}),
+        refs = {s: float64_loop(G, s) for s in ("polar_express", "newton_schulz")}
+        # (name, fn, env, the fp64 loop it computes)
+        variants: list[tuple[str, Callable[[], Any], dict, str]] = [
+            ("polar_express", lambda G=G: zeropower(G, 5, "polar_express"), {}, "polar_express"),
+            ("newton_schulz", lambda G=G: zeropower(G, 5, "newton_schulz"), {}, "newton_schulz"),
         ]
+        if use_gram_iteration(G.reshape(-1, *G.shape[-2:]).to(torch.bfloat16)):
+            variants.append(
+                (
+                    "polar_express, plain loop (no Gram space)",
+                    lambda G=G: zeropower(G, 5, "polar_express", gram_space=False),
+                    {},
+                    "polar_express",
+                )
+            )
         if use_triton:
             variants.append(
                 (
                     "polar_express, cuBLAS only",
                     lambda G=G: zeropower(G, 5, "polar_express"),
                     {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+                    "polar_express",
                 )
             )
-        variants.append(("naive eager NS (reference)", lambda G=G: naive_newton_schulz(G, 5), {}))
-        for name, fn, env in variants:
+        variants.append(
+            (
+                "naive eager NS (reference)",
+                lambda G=G: naive_newton_schulz(G, 5),
+                {},
+                "newton_schulz",
+            )
+        )
+        for name, fn, env, loop in variants:
             row: dict[str, Any] = {"section": "ortho", "shape": fmt_shape(shape), "name": name}
             try:
                 with contextlib.ExitStack() as stack:
                     for k, v in env.items():
                         stack.enter_context(env_var(k, v))
                     ms = timer.bench(fn)
+                    row["err_fp64"] = rel_err(fn(), refs[loop])
                 row.update(ms=ms, tflops=flops / ms * 1e-9, flops=flops)
                 row["pct_peak"] = 100.0 * row["tflops"] / peak["tflops"]
                 row["floor_ms"] = flops / (peak["tflops"] * 1e9)
@@ -425,9 +446,22 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
                 traceback.print_exc()
             rows.append(row)
             log("  " + ortho_line(row))
-        del G
+        del G, refs
         free_memory()
     return rows
+
+
+def float64_loop(G: torch.Tensor, strategy: str, steps: int = 5) -> torch.Tensor:
+    """The intended map, run in fp64: normalize, then the strategy's steps (tall: transposed)."""
+    sched = coefficient_schedule(strategy, steps)
+    X = G.double()
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * sched.norm_safety)
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    for a, b, c in sched.coefficients:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
 
 
 def ortho_line(r: dict) -> str:
@@ -435,7 +469,8 @@ def ortho_line(r: dict) -> str:
         return f"{r['shape']:>14} {r['name']:<28} ERROR {r['error'][:90]}"
     return (
         f"{r['shape']:>14} {r['name']:<28} {r['ms']:9.3f} ms  {tf(r['tflops']):>7} TFLOP/s  "
-        f"{r['pct_peak']:5.1f}% of peak (floor {r['floor_ms']:.3f} ms)"
+        f"{r['pct_peak']:5.1f}% of peak (floor {r['floor_ms']:.3f} ms)  "
+        f"err vs fp64 loop {r.get('err_fp64', float('nan')):.2e}"
     )
 
 
@@ -622,6 +657,12 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             required=True,
         ),
         Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),
+        Row(
+            "MuonForeach, no Gram space",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            context=lambda: env_var("MUON_PLUGIN_DISABLE_GRAM", "1"),
+        ),
         Row(
             "MuonForeach(compile=True)",
             "ours",
@@ -892,11 +933,11 @@ def kernel_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def ortho_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    h = ["shape", "variant", "ms", "TFLOP/s", "% of peak", "plain-matmul floor ms"]
+    h = ["shape", "variant", "ms", "TFLOP/s", "% of peak", "plain-matmul floor ms", "err vs fp64"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["shape"], r["name"], "ERROR " + r["error"][:60], "", "", ""])
+            body.append([r["shape"], r["name"], "ERROR " + r["error"][:60], "", "", "", ""])
             continue
         body.append(
             [
@@ -906,6 +947,7 @@ def ortho_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 tf(r["tflops"]),
                 fmt(r["pct_peak"], ".1f"),
                 fmt(r["floor_ms"]),
+                fmt(r.get("err_fp64"), ".1e"),
             ]
         )
     return h, body
@@ -1021,7 +1063,11 @@ def markdown_section(meta: dict, results: dict[str, list[dict]], peak: dict | No
     )
     for key, title, table in (
         ("kernels", "Symmetric Gram kernel vs cuBLAS (bf16)", kernel_table),
-        ("ortho", "Orthogonalization, 5 steps (FLOPs counted as plain matmuls)", ortho_table),
+        (
+            "ortho",
+            "Orthogonalization, 5 steps (FLOPs counted as plain matmuls; Gram-space runs fewer)",
+            ortho_table,
+        ),
         ("step", "optimizer.step() (fp32 params and grads)", step_table),
         ("memory", "Optimizer memory", memory_table),
     ):
