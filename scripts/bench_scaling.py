@@ -230,6 +230,27 @@ def world_sizes(args) -> list[int]:
     return [n for n in (1, 2, 4, 8) if n <= gpus]
 
 
+def run_torchrun(cmd: list[str], timeout: float, **kwargs) -> tuple[str, int]:
+    """Run a torchrun command line: (stdout and stderr, return code; 124 on timeout).
+
+    On timeout torchrun gets SIGTERM, on which it stops its workers (each in a session of its
+    own: killing torchrun outright would leave them on the GPUs); SIGKILL after 30 s more.
+    """
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
+    try:
+        return proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+        return out, 124
+
+
 def launch(ws: int, args, argv: list[str]) -> tuple[list[dict], str | None]:
     """Run one world size under torchrun; (rows, error or None)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,16 +263,11 @@ def launch(ws: int, args, argv: list[str]) -> tuple[list[dict], str | None]:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if args.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(args.threads))
-        try:
-            done = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=args.timeout
-            )
-        except subprocess.TimeoutExpired:
-            return [], f"timed out after {args.timeout} s"
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stdout + done.stderr)[-4000:]
-            print(tail, file=sys.stderr)
-            return [], f"torchrun exited with {done.returncode}"
+        log, rc = run_torchrun(cmd, args.timeout, env=env)
+        if rc != 0 or not out.exists():
+            print(log[-4000:], file=sys.stderr)
+            why = f"timed out after {args.timeout} s" if rc == 124 else f"torchrun exited with {rc}"
+            return [], why
         return json.loads(out.read_text()), None
 
 

@@ -28,12 +28,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
+from bench_scaling import run_torchrun  # noqa: E402
 from results_md import replace_section  # noqa: E402
 
 MARK_START = "<!-- bench_titan_tps:start -->"
@@ -103,18 +103,8 @@ def run_one(optimizer: str, args, extra: list[str]) -> tuple[str, int]:
     if args.nproc:
         env["NPROC"] = str(args.nproc)
     print(f"[bench_titan_tps] {optimizer}: {' '.join(cmd)}", flush=True)
-    try:
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
-        )
-        text, rc = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or b""
-        err = e.stderr or b""
-        text = (out.decode() if isinstance(out, bytes) else out) + (
-            err.decode() if isinstance(err, bytes) else err
-        )
-        rc = 124
+    # train.sh execs torchrun: on timeout it gets SIGTERM and stops its workers.
+    text, rc = run_torchrun(cmd, args.timeout, cwd=ROOT, env=env)
     (args.log_dir / f"{optimizer}.log").write_text(text)
     return text, rc
 
