@@ -1,10 +1,17 @@
 """The elementwise math of a Muon step, on lists of (local) tensors.
 
-Written once with ``torch._foreach_*`` ops: the batched driver passes every parameter of a group
-at once, the per-parameter driver passes one-element lists. Large contiguous CUDA tensors take
-the fused Triton kernels of :mod:`muon_plugin.kernels.elementwise` instead (same math, one pass
-over memory). DTensors are handled by the caller, which passes their local shards: everything
-here is elementwise, so shards need no communication.
+The batched driver passes every parameter of a group at once, the per-parameter driver passes
+one-element lists. Contiguous CUDA tensors (fp32, bf16 or fp16) go through the grouped Triton
+kernels of :mod:`muon_plugin.kernels.elementwise`: one launch and one pass over memory per
+same-dtype sub-list, whatever the sizes (a list mixing bf16 and fp32 parameters makes two
+launches). Everything else (CPU tensors, non-contiguous ones, other dtypes, or everything with
+``MUON_PLUGIN_DISABLE_TRITON=1``) takes the ``torch._foreach_*`` ops below. The kernels follow
+those ops step by step (ATen's lerp formulas, fp32 math, a rounding to the storage dtype where
+each foreach op rounds, fused multiply-adds where ATen's CUDA kernels get them), so the two
+paths agree to within about an ulp; the one difference is that the kernels return the direction
+in bf16, the dtype the orthogonalization casts it to anyway. DTensors are handled by the caller,
+which passes their local shards: everything here is elementwise, so shards need no
+communication.
 """
 
 from __future__ import annotations
@@ -13,9 +20,9 @@ import torch
 from torch import Tensor
 
 from muon_plugin.kernels.elementwise import (
-    fused_decay_update,
-    fused_momentum,
-    use_fused_elementwise,
+    grouped_decay_update,
+    grouped_momentum,
+    kernel_groups,
 )
 
 
@@ -24,17 +31,20 @@ def momentum_update_(
 ) -> list[Tensor]:
     """Update the momentum buffers in place and return the direction to orthogonalize.
 
-    ``buf <- momentum * buf + (1 - momentum) * grad``; the direction is the Nesterov look-ahead
-    ``grad + momentum * (buf - grad)`` or ``buf`` itself. Gradients are cast to the buffers'
-    dtype (fp32 for bf16/fp16 parameters) first.
+    ``buf <- momentum * buf + (1 - momentum) * grad`` (``buf.lerp_(grad, 1 - momentum)``); the
+    direction is the Nesterov look-ahead ``grad + momentum * (buf - grad)`` or ``buf`` itself.
+    Gradients are cast to the buffers' dtype (fp32 for bf16/fp16 parameters) first. On the
+    kernel path the direction is a new bf16 tensor; on the foreach path it is in the buffers'
+    dtype (without Nesterov: the buffer itself).
     """
+    groups, rest = kernel_groups(grads, bufs)
     out: list[Tensor | None] = [None] * len(grads)
-    rest = []
-    for i, (g, b) in enumerate(zip(grads, bufs, strict=True)):
-        if use_fused_elementwise(b, g):
-            out[i] = fused_momentum(g, b, momentum, nesterov)
-        else:
-            rest.append(i)
+    for idx in groups:
+        directions = grouped_momentum(
+            [grads[i] for i in idx], [bufs[i] for i in idx], momentum, nesterov
+        )
+        for i, d in zip(idx, directions, strict=True):
+            out[i] = d
     if rest:
         bs = [bufs[i] for i in rest]
         gs = [
@@ -58,17 +68,18 @@ def decay_and_update_(
     """Decay ``p`` by ``lr*wd`` (only where update and ``p`` agree in sign if cautious), then step.
 
     Weight decay is decoupled and uses the group ``lr``; any shape-dependent learning-rate
-    factor is already folded into ``updates``.
+    factor is already folded into ``updates``. Every op rounds to the parameter dtype, on both
+    paths.
     """
-    ps, us = [], []
-    for p, u in zip(params, updates, strict=True):
-        if use_fused_elementwise(p, u):
-            fused_decay_update(p, u, lr, weight_decay, cautious)
-        else:
-            ps.append(p)
-            us.append(u)
-    if not ps:
+    groups, rest = kernel_groups(params, updates)
+    for idx in groups:
+        grouped_decay_update(
+            [params[i] for i in idx], [updates[i] for i in idx], lr, weight_decay, cautious
+        )
+    if not rest:
         return
+    ps = [params[i] for i in rest]
+    us = [updates[i] for i in rest]
     if weight_decay != 0.0 and lr != 0.0:
         if cautious:
             agree = torch._foreach_mul(us, ps)
