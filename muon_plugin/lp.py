@@ -33,8 +33,9 @@ class MuonLP(MuonForeach):
     Takes every argument of :class:`~muon_plugin.MuonForeach`, plus:
 
     Args:
-        state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. The
-            quantized kinds use torchao's low-bit optimizer-state tensor types
+        state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. int8 and
+            fp8 use torchao's low-bit optimizer-state tensor types, int4 torchao's 4-bit
+            code-map primitives with a Gaussian Lloyd-Max map and per-block RMS scales
             (``pip install 'muon_plugin[lp]'``); ``"bf16"`` needs no torchao.
         block_size: elements per quantization scale (default: torchao's, 256 for int8 / fp8,
             128 for int4). Blocks run along the last dim and never cross a row; ignored for bf16.
