@@ -60,6 +60,7 @@ from muon_plugin.distributed.groups import (
 )
 from muon_plugin.distributed.layout import Layout, LayoutError, describe_placements, layout_of
 from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
+from muon_plugin.kernels.symmetric import triton_kernels_enabled
 from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 
 WIRE_DTYPE = torch.bfloat16
@@ -271,10 +272,14 @@ class OrthogonalizationPlan:
         if stack is None:
             return None
         if self.batched:
-            # Small local results come back in the parameter dtype (one cast per stack), so
-            # the multi-tensor update stays on its single-dtype fast path.
+            # Where the update takes the foreach path (no Triton kernel), small local results
+            # come back in the parameter dtype (one cast per stack), so the multi-tensor update
+            # stays on its single-dtype fast path; the grouped kernel reads bf16 directly.
+            device = stack.device if isinstance(stack, Tensor) else stack[0].device
+            foreach_update = device.type != "cuda" or not triton_kernels_enabled()
             small = not group.back_comm and math.prod(group.shape) < FUSED_MIN_NUMEL
-            return orthogonalize_stack(stack, group.spec, out_dtype=group.dtype if small else None)
+            cast = foreach_update and small
+            return orthogonalize_stack(stack, group.spec, out_dtype=group.dtype if cast else None)
         if isinstance(stack, Tensor):
             return [orthogonalize_stack(stack[s : s + 1], group.spec)[0] for s in range(len(stack))]
         return [orthogonalize_stack([x], group.spec)[0] for x in stack]
