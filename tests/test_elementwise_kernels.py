@@ -185,3 +185,15 @@ def test_kernel_groups_split_by_dtype_and_layout(monkeypatch):
     us = [torch.zeros(4, dtype=bf16), torch.zeros(4, dtype=bf16), torch.zeros(3, 2)]
     us += [torch.zeros(2, dtype=bf16), torch.zeros(3, dtype=torch.float64)]
     assert kernel_groups(ps, us) == ([[0, 3], [1]], [2, 4])
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_a_lone_small_tensor_stays_on_foreach(monkeypatch):
+    """The per-parameter driver passes one tensor at a time: small ones keep the foreach path."""
+    monkeypatch.setattr("muon_plugin.kernels.elementwise._ALLOW_CPU", True)
+    monkeypatch.delenv("MUON_PLUGIN_DISABLE_TRITON", raising=False)
+    small = [torch.zeros(768, 768)]
+    assert kernel_groups(small, small) == ([], [0])
+    big = [torch.zeros(1 << 22)]
+    assert kernel_groups(big, big) == ([[0]], [])
+    assert kernel_groups(small * 2, small * 2) == ([[0, 1]], [])
