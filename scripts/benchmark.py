@@ -298,11 +298,10 @@ def kernel_case(
         row["triton_ms"] = None
         row["faster"] = None
         row["dispatch_right"] = None
-    # The rule that matters: dispatching must never cost more than plain cuBLAS (5% noise).
+    # The rule that matters: dispatching must never cost more than plain cuBLAS, the Python
+    # of the dispatch included (allowance: 5% or 2 us of timer noise, whichever is larger).
     row["gram_vs_cublas"] = row["gram_ms"] / row["cublas_ms"]
-    row["dispatch_ok"] = row["gram_ms"] <= 1.05 * row["cublas_ms"] or (
-        row["dispatch"] == "torch"  # same call as the baseline: differences are noise
-    )
+    row["dispatch_ok"] = row["gram_ms"] <= max(1.05 * row["cublas_ms"], row["cublas_ms"] + 0.002)
     return row
 
 

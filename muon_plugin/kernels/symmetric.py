@@ -76,7 +76,7 @@ def _check_c(C: torch.Tensor, X: torch.Tensor) -> None:
     m = X.shape[-2]
     if C.shape[-2:] != (m, m) or C.dim() > X.dim():
         raise ValueError(f"C has shape {tuple(C.shape)}, expected (..., {m}, {m})")
-    if C.device != X.device:
+    if C.get_device() != X.get_device():  # cheaper than comparing .device objects
         raise ValueError(f"C is on {C.device}, X on {X.device}")
 
 
@@ -150,26 +150,26 @@ def symmetric_matmul(
 def _torch_gram(
     X: torch.Tensor, Y: torch.Tensor, alpha: float, C: torch.Tensor | None, beta: float
 ) -> torch.Tensor:
-    """The cuBLAS / CPU path: same shapes and dtypes as the kernel."""
-    if X.dim() == 2:
+    """The cuBLAS / CPU path: same shapes and dtypes as the kernel.
+
+    2-D and 3-D inputs go straight to one ``mm``/``bmm``/``addmm``/``baddbmm`` (no reshapes:
+    on small, launch-bound shapes every extra op shows in the step time).
+    """
+    if X.dim() <= 3:
+        if C is None and alpha == 1:
+            return X @ Y.mT
         if C is None:
-            if alpha == 1:
-                return torch.mm(X, Y.mT)
-            C, beta = X.new_empty(X.shape[0], X.shape[0]), 0.0
-        return torch.addmm(C, X, Y.mT, beta=beta, alpha=alpha)
+            C, beta = X.new_empty(*X.shape[:-1], X.shape[-2]), 0.0
+        if X.dim() == 2:
+            return torch.addmm(C, X, Y.mT, beta=beta, alpha=alpha)
+        if C.dim() == 2:
+            C = C.expand(X.shape[0], *C.shape)
+        return torch.baddbmm(C, X, Y.mT, beta=beta, alpha=alpha)
     X3, lead = _flatten(X)
     Y3 = Y.reshape(X3.shape)
     m = X3.shape[1]
-    if C is None:
-        if alpha == 1:
-            res = torch.bmm(X3, Y3.mT)
-        else:
-            empty = X3.new_empty(X3.shape[0], m, m)
-            res = torch.baddbmm(empty, X3, Y3.mT, beta=0.0, alpha=alpha)
-    else:
-        C3 = C if X.dim() == 3 else C.expand(*lead, m, m).reshape(-1, m, m)
-        res = torch.baddbmm(C3, X3, Y3.mT, beta=beta, alpha=alpha)
-    return res.view(*lead, m, m)
+    C3 = None if C is None else C.expand(*lead, m, m).reshape(-1, m, m)
+    return _torch_gram(X3, Y3, alpha, C3, beta).view(*lead, m, m)
 
 
 def triton_kernels_enabled() -> bool:
