@@ -123,10 +123,9 @@ def zeropower(
     ``gram_space`` picks :func:`iterate_gram` (True) or :func:`iterate` (False); by default
     :func:`use_gram_iteration` decides from the shape.
 
-    The input is divided by ``safety * ||G||_F``. Where the first step's ``m x m`` products
-    run in the Triton kernel, that division is folded into them (the norm is the trace of
-    the Gram matrix, and the ``m x m`` results are scaled instead of the ``m x n`` input);
-    elsewhere the bf16 copy is scaled in place first.
+    The input is divided by ``safety * ||G||_F`` (see :class:`Normalization`): where the
+    first step's ``m x m`` products run in the Triton kernel that division is folded into
+    them, elsewhere the bf16 copy is scaled in place first.
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
@@ -139,29 +138,37 @@ def zeropower(
     wide = X.mT if tall else X
     if gram_space is None:
         gram_space = use_gram_iteration(wide)
-    fold = gram_space or uses_q_form(wide)
-    if not fold:
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-        # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
-        X.mul_((norm * schedule.norm_safety).clamp_min_(eps).reciprocal_().to(torch.bfloat16))
     run = iterate_gram if gram_space else iterate
-    normalize = Normalization(schedule.norm_safety, eps) if fold else None
+    normalize = Normalization(schedule.norm_safety, eps)
     X = run(wide, schedule.coefficients, scale, transpose_result=tall, normalize=normalize)
     return X.reshape(shape)
 
 
 @dataclass(frozen=True)
 class Normalization:
-    """Divide the input by ``safety * ||X||_F`` inside the iteration (see :func:`zeropower`)."""
+    """Divide the input by ``safety * ||X||_F``, per matrix, inside the iteration.
+
+    Folded into the first step where its ``m x m`` products run in the Triton kernel (the
+    norm is the trace of the Gram matrix, and the ``m x m`` results are scaled instead of the
+    ``m x n`` input); elsewhere ``X`` is scaled in place first.
+    """
 
     safety: float
     eps: float = EPS
 
+    def _inverse(self, norm: Tensor) -> Tensor:
+        return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()
+
     def inverse_norms(self, gram_matrix: Tensor) -> Tensor:
         """``1 / (safety * ||X||_F)`` per matrix, (B, 1, 1) fp32, from ``trace(X X^T)``."""
         trace = gram_matrix.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)
-        norm = trace.clamp_min(0.0).sqrt_().mul_(self.safety).clamp_min_(self.eps)
-        return norm.reciprocal_().view(-1, 1, 1)
+        return self._inverse(trace.clamp_min(0.0).sqrt_()).view(-1, 1, 1)
+
+    def scale_(self, X: Tensor) -> None:
+        """Divide the batch ``X`` by its norms in place."""
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
+        X.mul_(self._inverse(norm).to(X.dtype))
 
 
 def uses_q_form(X: Tensor) -> bool:
@@ -185,12 +192,14 @@ def iterate(
     once, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``); elsewhere one
     ``baddbmm``. With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is
     symmetric), so a tall input's result comes out contiguous in its own orientation.
-    ``normalize`` (Q-form only) divides the unnormalized input by its norm in the first step:
-    ``A`` by the norm squared, ``Q`` by the norm.
+    ``normalize`` divides the unnormalized input by its norm: in the Q-form inside the first
+    step (``A`` by the norm squared, ``Q`` by the norm), elsewhere by scaling ``X`` in place
+    first (``X`` is then overwritten).
     """
     q_form = uses_q_form(X)
     if normalize is not None and not q_form:
-        raise ValueError("iterate folds the normalization only where the Q-form step runs")
+        normalize.scale_(X)
+        normalize = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)

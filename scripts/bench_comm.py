@@ -46,11 +46,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
-from results_md import replace_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 from torch import nn  # noqa: E402
 
-MARK_START = "<!-- bench_comm:start -->"
-MARK_END = "<!-- bench_comm:end -->"
 WIRE_BYTES = 2
 
 
@@ -345,10 +343,6 @@ def machine() -> str:
     )
 
 
-def write_results(path: Path, text: str) -> None:
-    replace_section(path, text, MARK_START, MARK_END)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", default="1,2,4")
@@ -379,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         section = "\n".join(
             [
-                MARK_START,
                 "## Distributed orthogonalization traffic (scripts/bench_comm.py)",
                 "",
                 meta + ".",
@@ -391,11 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                 "approach). `python scripts/bench_comm.py --results RESULTS.md`",
                 "",
                 text,
-                MARK_END,
-                "",
             ]
         )
-        write_results(args.results, section)
+        write_section(args.results, "bench_comm", section)
         print(f"wrote {args.results}")
     return 0
 

@@ -160,7 +160,7 @@ def run_case(kind: str, shape, inputs, do_bench, mod) -> dict:
 
 def sweep(shapes, do_bench, mod, l2: int) -> list[dict]:
     """Time every autotune config on each shape (X @ X.mT), to re-tune the config list."""
-    configs = mod._configs()
+    configs = mod._configs(mod.POINTER_TILES)
     results = []
     for shape in shapes:
         m, k = shape[-2:]
@@ -218,7 +218,7 @@ def odd_checks(mod) -> bool:
             C = make_sym(torch.randn(X3.shape[0], m, 64, device="cuda").to(dtype))
             ref = NS_C * ref + NS_B * C.float()
         bad = []
-        for cfg in mod._configs():
+        for cfg in mod._configs(mod.POINTER_TILES):
             d = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
             out = torch.full((X3.shape[0], m, m), float("nan"), device="cuda", dtype=dtype)
             try:

@@ -45,13 +45,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
-from results_md import replace_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 from torch import nn
 
 from muon_plugin import MuonForeach, MuonLP
-
-MARK_START = "<!-- bench_lp:start -->"
-MARK_END = "<!-- bench_lp:end -->"
 
 TARGET_BYTES = {"int8": 1.1, "int4": 0.6, "fp8": 1.1, "bf16": 2.0}
 TARGET_LOSS = 0.02
@@ -368,16 +365,15 @@ def main() -> None:
     if args.results:
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         setup_md = "".join(f"- {line}\n" for line in setup)
-        replace_section(
+        write_section(
             args.results,
-            f"{MARK_START}\n## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
+            "bench_lp",
+            f"## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
             f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
             f"- command: `{command}`\n{setup_md}"
             f"- fp32 = `MuonForeach` (fp32 momentum); `fp32 seed+1` = the same with another data "
             f"seed (run-to-run noise); step time is `optimizer.step()` only (median); final "
-            f"loss on a held-out set\n\n{table}\n{MARK_END}\n",
-            MARK_START,
-            MARK_END,
+            f"loss on a held-out set\n\n{table}\n",
         )
 
 

@@ -47,13 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_comm import Layer, machine, shard_layers, traffic  # noqa: E402
-from results_md import replace_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 from torch import nn  # noqa: E402
 
 from muon_plugin.distributed.report import format_bytes  # noqa: E402
 
-MARK_START = "<!-- bench_scaling:start -->"
-MARK_END = "<!-- bench_scaling:end -->"
 DIM, KV, HIDDEN = 4096, 1024, 14336  # Llama 3 8B
 TARGET_EFFICIENCY = 0.85
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -339,7 +337,6 @@ def finish(rows: list[dict], args, errors: list[str], show: bool = True) -> str:
     if args.results:
         section = "\n".join(
             [
-                MARK_START,
                 "## Scaling of the distributed Muon step (scripts/bench_scaling.py)",
                 "",
                 meta + ".",
@@ -352,11 +349,9 @@ def finish(rows: list[dict], args, errors: list[str], show: bool = True) -> str:
                 "`python scripts/bench_scaling.py --results RESULTS.md`",
                 "",
                 text,
-                MARK_END,
-                "",
             ]
         )
-        replace_section(args.results, section, MARK_START, MARK_END)
+        write_section(args.results, "bench_scaling", section)
         print(f"wrote {args.results}")
     return text
 

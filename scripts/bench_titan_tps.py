@@ -34,10 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
 from bench_scaling import run_torchrun  # noqa: E402
-from results_md import replace_section  # noqa: E402
+from results_md import write_section  # noqa: E402
 
-MARK_START = "<!-- bench_titan_tps:start -->"
-MARK_END = "<!-- bench_titan_tps:end -->"
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.naNinf]+).*?tps:\s*([\d,]+)")
 MEM_RE = re.compile(r"memory:\s*([0-9.]+)GiB")
 
@@ -200,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         section = "\n".join(
             [
-                MARK_START,
                 "## torchtitan throughput, AdamW vs Muon (scripts/bench_titan_tps.py)",
                 "",
                 meta + ".",
@@ -211,11 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                 text,
                 "",
                 verdict,
-                MARK_END,
-                "",
             ]
         )
-        replace_section(args.results, section, MARK_START, MARK_END)
+        write_section(args.results, "bench_titan_tps", section)
         print(f"wrote {args.results}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

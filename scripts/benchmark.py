@@ -60,10 +60,9 @@ from muon_plugin.orthogonalize import coefficient_schedule, use_gram_iteration  
 
 SECTIONS = ("kernels", "ortho", "step", "memory")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for results_md
-from results_md import replace_section  # noqa: E402
+from results_md import markers, replace_section  # noqa: E402
 
-MARK_START = "<!-- benchmark:start -->"
-MARK_END = "<!-- benchmark:end -->"
+MARK_START, MARK_END = markers("benchmark")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (a, b, c)
 LR, WD = 1e-3, 0.1
 

@@ -22,3 +22,14 @@ def replace_section(path: Path | str, section: str, start: str, end: str) -> Non
     else:
         new = "# Results\n\n" + section
     path.write_text(new)
+
+
+def markers(name: str) -> tuple[str, str]:
+    """The ``<!-- name:start -->`` / ``<!-- name:end -->`` pair around a script's section."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def write_section(path: Path | str, name: str, body: str) -> None:
+    """Put ``body`` between the markers of ``name`` in ``path`` (see ``replace_section``)."""
+    start, end = markers(name)
+    replace_section(path, f"{start}\n{body.rstrip()}\n{end}\n", start, end)

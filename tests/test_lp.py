@@ -451,38 +451,37 @@ def dist_checkpoint_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def dcp_save(model, opt, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
+def dcp_state(model, opt) -> dict:
+    """The model and optimizer state as torchtitan hands it to DCP."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
     options = dist_checkpoint_options()
-    state = {
+    return {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, opt, options=options),
     }
-    dcp.save(state, checkpoint_id=path)
+
+
+def dcp_save(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dcp_state(model, opt), checkpoint_id=path)
 
 
 def dcp_load(model, opt, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    options = dist_checkpoint_options()
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, opt, options=options),
-    }
+    state = dcp_state(model, opt)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"], options=options)
+    set_optimizer_state_dict(model, opt, state["optim"], options=dist_checkpoint_options())
 
 
 def dist_job(rank: int, ws: int, root: str) -> None:

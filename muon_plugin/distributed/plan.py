@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,13 +216,8 @@ class OrthogonalizationPlan:
             return None
         sched = group.schedule
         send = torch.empty(sum(sched.gather_send_splits), dtype=WIRE_DTYPE, device=group.device)
-        dsts, srcs = [], []
-        offset = 0
-        for k, local_b, piece_shape in sched.gather_send:
-            n = math.prod(piece_shape)
-            dsts.append(send[offset : offset + n].view(piece_shape))
-            srcs.append(_piece(directions[group.indices[k]], local_b))
-            offset += n
+        dsts = list(_wire_pieces(send, (shape for _, _, shape in sched.gather_send)))
+        srcs = [_piece(directions[group.indices[k]], b) for k, b, _ in sched.gather_send]
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return self._all_to_all(
@@ -252,15 +247,14 @@ class OrthogonalizationPlan:
                     srcs.append(piece[piece_sl])
         if pending is not None:
             pending.work.wait()
-            offset = 0
-            for slot, piece_shape, rects in sched.gather_recv:
-                n = math.prod(piece_shape)
-                piece = pending.recv[offset : offset + n].view(piece_shape)
+            shapes = (shape for _, shape, _ in sched.gather_recv)
+            for (slot, _, rects), piece in zip(
+                sched.gather_recv, _wire_pieces(pending.recv, shapes), strict=True
+            ):
                 assert stack is not None
                 for unit_sl, piece_sl in rects:
                     dsts.append(stack[slot][unit_sl])
                     srcs.append(piece[piece_sl])
-                offset += n
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return stack
@@ -290,15 +284,14 @@ class OrthogonalizationPlan:
         sched = group.schedule
         send = torch.empty(sum(sched.back_send_splits), dtype=WIRE_DTYPE, device=group.device)
         dsts, srcs = [], []
-        offset = 0
-        for slot, piece_shape, rects in sched.back_send:
-            n = math.prod(piece_shape)
-            piece = send[offset : offset + n].view(piece_shape)
+        shapes = (shape for _, shape, _ in sched.back_send)
+        for (slot, _, rects), piece in zip(
+            sched.back_send, _wire_pieces(send, shapes), strict=True
+        ):
             assert result is not None
             for unit_sl, piece_sl in rects:
                 dsts.append(piece[piece_sl])
                 srcs.append(result[slot][unit_sl])
-            offset += n
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return self._all_to_all(group, send, sched.back_recv_splits, sched.back_send_splits, stats)
@@ -344,12 +337,11 @@ class OrthogonalizationPlan:
                 srcs.append(result[slot][unit_sl])
         if pending is not None:
             pending.work.wait()
-            offset = 0
-            for k, local_b, piece_shape in sched.back_recv:
+            shapes = (shape for _, _, shape in sched.back_recv)
+            for (k, local_b, _), piece in zip(
+                sched.back_recv, _wire_pieces(pending.recv, shapes), strict=True
+            ):
                 i = group.indices[k]
-                n = math.prod(piece_shape)
-                piece = pending.recv[offset : offset + n].view(piece_shape)
-                offset += n
                 if single:
                     out[i] = piece
                 else:
@@ -392,6 +384,15 @@ class OrthogonalizationPlan:
                 }
             )
         return rows
+
+
+def _wire_pieces(buf: Tensor, shapes: Iterable[tuple[int, ...]]) -> Iterator[Tensor]:
+    """Consecutive views of the flat all-to-all buffer ``buf``, one per piece shape."""
+    offset = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        yield buf[offset : offset + n].view(shape)
+        offset += n
 
 
 def _piece(t: Tensor, local_b: tuple[int, ...]) -> Tensor:

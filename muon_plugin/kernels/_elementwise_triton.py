@@ -50,6 +50,17 @@ def _lerp(a, b, w):
 
 
 @triton.jit
+def _program_tile(meta_ptr, tiles_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's meta-table row (``ROW`` int64 entries per tensor), its tensor's numel,
+    and the tile's first element within that tensor (int64: the table is int64)."""
+    pid = tl.program_id(0)
+    row = meta_ptr + tl.load(tiles_ptr + pid).to(tl.int64) * ROW
+    n = tl.load(row + 2)
+    start = (pid - tl.load(row + 3)) * BLOCK
+    return row, n, start
+
+
+@triton.jit
 def _momentum_tile(
     g_ptrs, b_ptrs, d_ptrs, w, m, mask, BUF_TY: tl.constexpr, NESTEROV: tl.constexpr
 ):
@@ -79,12 +90,9 @@ def _grouped_momentum_kernel(
     NESTEROV: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = meta_ptr + tl.load(tiles_ptr + pid).to(tl.int64) * 5
+    row, n, start = _program_tile(meta_ptr, tiles_ptr, 5, BLOCK)
     g_addr = tl.load(row)
     b_addr = tl.load(row + 1)
-    n = tl.load(row + 2)
-    start = (pid - tl.load(row + 3)) * BLOCK  # int64: first tile is int64
     d_off = tl.load(row + 4)
     g_base = g_addr.to(tl.pointer_type(G_TY))
     b_base = b_addr.to(tl.pointer_type(BUF_TY))
@@ -141,12 +149,9 @@ def _grouped_decay_update_kernel(
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = meta_ptr + tl.load(tiles_ptr + pid).to(tl.int64) * 4
+    row, n, start = _program_tile(meta_ptr, tiles_ptr, 4, BLOCK)
     p_addr = tl.load(row)
     u_addr = tl.load(row + 1)
-    n = tl.load(row + 2)
-    start = (pid - tl.load(row + 3)) * BLOCK
     p_base = p_addr.to(tl.pointer_type(P_TY))
     u_base = u_addr.to(tl.pointer_type(U_TY))
     if ALIGNED:

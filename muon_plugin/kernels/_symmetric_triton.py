@@ -16,7 +16,11 @@ general matmul. ``TRITON_INTERPRET`` is read when this module is imported
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -28,23 +32,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
 
-def _configs() -> list[triton.Config]:
-    # BLOCK_N must be a multiple of BLOCK_M. 128x128 / 128x256 with 8 warps (two
-    # warpgroups of wgmma) suit large m on Hopper; 64x64 gives more programs when m or the
-    # batch is small.
-    shapes = [
-        # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 8, 5),
-        (128, 256, 64, 8, 3),
-        (128, 256, 64, 8, 4),
-        (64, 64, 64, 4, 4),
-        (64, 64, 128, 4, 3),
-    ]
+# Autotuning candidates, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N must be a
+# multiple of BLOCK_M. 128x128 / 128x256 with 8 warps (two warpgroups of wgmma) suit large m
+# on Hopper; 64x64 gives the pointer kernel more programs when m or the batch is small.
+_LARGE_TILES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+]
+POINTER_TILES = [*_LARGE_TILES, (64, 64, 64, 4, 4), (64, 64, 128, 4, 3)]
+TMA_TILES = [*_LARGE_TILES, (128, 128, 128, 8, 3)]
+
+
+def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in shapes
+        for bm, bn, bk, w, s in tiles
     ]
 
 
@@ -275,22 +280,7 @@ def _syrk_tma_kernel(
     )
 
 
-def _tma_configs() -> list[triton.Config]:
-    shapes = [
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 8, 5),
-        (128, 256, 64, 8, 3),
-        (128, 256, 64, 8, 4),
-        (128, 128, 128, 8, 3),
-    ]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in shapes
-    ]
-
-
-syrk_tma_autotuned = triton.autotune(configs=_tma_configs(), key=["M", "K", "HAS_C"])(
+syrk_tma_autotuned = triton.autotune(configs=_configs(TMA_TILES), key=["M", "K", "HAS_C"])(
     _syrk_tma_kernel
 )
 
@@ -300,11 +290,17 @@ def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    """Hopper or newer (cached per device)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def tma_eligible(X: torch.Tensor, Y: torch.Tensor) -> bool:
     """TMA loads need Hopper or newer, contiguous operands and 16-byte aligned rows."""
     if INTERPRET or os.environ.get("MUON_PLUGIN_SYRK_TMA", "1") == "0" or not X.is_cuda:
         return False
-    if torch.cuda.get_device_capability(X.device)[0] < 9:
+    if not _has_tma(X.get_device()):
         return False
     k = X.shape[-1]
     return (
@@ -322,10 +318,13 @@ _syrk_heuristic = triton.heuristics(
         "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
     }
 )(_syrk_kernel)
-syrk_autotuned = triton.autotune(configs=_configs(), key=["M", "K", "HAS_C"])(_syrk_heuristic)
+syrk_autotuned = triton.autotune(configs=_configs(POINTER_TILES), key=["M", "K", "HAS_C"])(
+    _syrk_heuristic
+)
 
-# Autotuned configs by (M, K, HAS_C, X dtype, C dtype, DOT_PRECISION); after the first call
-# for a key the kernel is launched directly, skipping the autotuner's per-call overhead.
+# Autotuned configs by (M, K, HAS_C, X dtype, C dtype, OUT dtype, DOT_PRECISION, kernel); after
+# the first call for a key the kernel is launched directly, skipping the autotuner's per-call
+# overhead.
 _tuned: dict[tuple, dict] = {}
 
 
@@ -391,26 +390,60 @@ def launch(
         config = config or INTERPRET_CONFIG
     else:
         flags["UPCAST"] = False
-    if X.dtype != torch.float32 and tma_eligible(X, Y):
-        return _launch_tma(X, Y, c_arg, out, args, flags, (batch, m, k), config)
     key = (m, k, has_c, X.dtype, c_arg.dtype, out.dtype, precision)
-    if config is None:
-        config = _tuned.get(key)
-    if config is None:
-        grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
-        syrk_autotuned[grid](*args, **flags)
-        best = syrk_autotuned.best_config
-        _tuned[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    if X.dtype != torch.float32 and tma_eligible(X, Y):
+        # The pointer kernel's args minus the 6 X/Y strides (args[6:12]).
+        tma_args = (X, Y, c_arg, out, m, k, batch * m, *args[12:])
+        tma_flags = {"HAS_C": has_c, "HAS_DIAG": flags["HAS_DIAG"]}
+        # Triton's allocator is a context variable (per thread), so it is set at each launch.
+        triton.set_allocator(_tma_scratch)
+        _TMA.launch((*key, "tma"), tma_args, tma_flags, m, k, batch, config)
     else:
-        grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
-        _syrk_kernel[grid](
-            *args,
-            **flags,
-            EVEN_M=m % config["BLOCK_N"] == 0,
-            EVEN_K=k % config["BLOCK_K"] == 0,
-            **config,
-        )
+        _POINTER.launch((*key, "pointer"), args, flags, m, k, batch, config)
     return out
+
+
+@dataclass(frozen=True)
+class _Tuned:
+    """A kernel, its autotuned wrapper, and the heuristic flags a direct launch must add."""
+
+    autotuned: Any
+    kernel: Any
+    heuristics: Callable[[dict, int, int], dict]  # (config, m, k) -> extra constexpr flags
+
+    def launch(
+        self,
+        key: tuple,
+        args: tuple,
+        flags: dict,
+        m: int,
+        k: int,
+        batch: int,
+        config: dict | None,
+    ) -> None:
+        """The first launch for ``key`` autotunes (and records the winner); later launches,
+        or any with an explicit ``config``, go to the kernel directly."""
+        config = config or _tuned.get(key)
+        if config is None:
+            grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
+            self.autotuned[grid](*args, **flags)
+            best = self.autotuned.best_config
+            _tuned[key] = {
+                **best.kwargs,
+                "num_warps": best.num_warps,
+                "num_stages": best.num_stages,
+            }
+            return
+        grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
+        self.kernel[grid](*args, **flags, **self.heuristics(config, m, k), **config)
+
+
+_POINTER = _Tuned(
+    syrk_autotuned,
+    _syrk_kernel,
+    lambda cfg, m, k: {"EVEN_M": m % cfg["BLOCK_N"] == 0, "EVEN_K": k % cfg["BLOCK_K"] == 0},
+)
+_TMA = _Tuned(syrk_tma_autotuned, _syrk_tma_kernel, lambda cfg, m, k: {})
 
 
 def best_config(X: torch.Tensor, has_c: bool = False) -> dict | None:
@@ -420,33 +453,3 @@ def best_config(X: torch.Tensor, has_c: bool = False) -> dict | None:
         if key[:4] == (m, k, has_c, X.dtype):
             return cfg
     return None
-
-
-def _launch_tma(
-    X: torch.Tensor,
-    Y: torch.Tensor,
-    c_arg: torch.Tensor,
-    out: torch.Tensor,
-    args: tuple,
-    flags: dict,
-    dims: tuple[int, int, int],
-    config: dict | None,
-) -> torch.Tensor:
-    """``launch`` through ``_syrk_tma_kernel`` (autotuned once per key, as ``launch``)."""
-    batch, m, k = dims
-    triton.set_allocator(_tma_scratch)
-    # The pointer kernel's args minus the 6 X/Y strides (args[6:12]).
-    tma_args = (X, Y, c_arg, out, m, k, batch * m, *args[12:])
-    tma_flags = {"HAS_C": flags["HAS_C"], "HAS_DIAG": flags["HAS_DIAG"]}
-    key = ("tma", m, k, flags["HAS_C"], X.dtype, c_arg.dtype, out.dtype)
-    if config is None:
-        config = _tuned.get(key)
-    if config is None:
-        grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
-        syrk_tma_autotuned[grid](*tma_args, **tma_flags)
-        best = syrk_tma_autotuned.best_config
-        _tuned[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
-    else:
-        grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
-        _syrk_tma_kernel[grid](*tma_args, **tma_flags, **config)
-    return out
