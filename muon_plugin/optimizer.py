@@ -16,6 +16,7 @@ into one batched orthogonalization. Parameters may be plain tensors or DTensors 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -296,7 +297,7 @@ class Muon(Optimizer):
     ) -> OrthogonalizationPlan:
         """The cached plan for this set of parameters, layouts and specs (rebuilt on change)."""
         key = tuple(
-            (id(p), tuple(p.shape), getattr(p, "placements", None), spec)
+            (id(p), p.shape, p.placements if isinstance(p, DTensor) else None, spec)
             for p, spec in zip(params, specs, strict=True)
         )
         if key != self._plan_key:
@@ -391,14 +392,28 @@ def momentum_dtype(param_dtype: torch.dtype) -> torch.dtype:
 
 def group_spec(group: dict[str, Any]) -> MatrixSpec:
     """The orthogonalization spec of a Muon group."""
-    return MatrixSpec(
-        steps=group["ns_steps"],
-        strategy=group["orthogonalization_strategy"],
-        lr_adjust=group["lr_adjust"],
-        flatten=group["flatten"],
-        split_sizes=group["split_sizes"],
-        compile=group["compile"],
+    split = group["split_sizes"]
+    return _spec(
+        group["ns_steps"],
+        group["orthogonalization_strategy"],
+        group["lr_adjust"],
+        group["flatten"],
+        None if split is None else tuple(split),
+        group["compile"],
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(
+    steps: int,
+    strategy: str,
+    lr_adjust: str,
+    flatten: bool,
+    split_sizes: tuple[int, ...] | None,
+    compile: bool,
+) -> MatrixSpec:
+    """One spec object per setting: the step's plan key then compares specs by identity."""
+    return MatrixSpec(steps, strategy, lr_adjust, flatten, split_sizes, compile)
 
 
 def describe(group: dict[str, Any], i: int, p: Tensor) -> str:

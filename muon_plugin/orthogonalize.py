@@ -32,7 +32,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels import gram, kernel_handles, use_symmetric_kernel
+from muon_plugin.kernels import gram, kernel_handles
 
 Coefficients = tuple[float, float, float]
 
@@ -166,15 +166,28 @@ class Normalization:
 
     def scale_(self, X: Tensor) -> None:
         """Divide the batch ``X`` by its norms in place."""
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
-        X.mul_(self._inverse(norm).to(X.dtype))
+        X.mul_(self._inverse(self._norms(X)).to(X.dtype))
+
+    def scaled_copy(self, X: Tensor, dtype: torch.dtype) -> Tensor:
+        """``X`` divided by its norms, in a new ``dtype`` tensor (one pass; X's strides)."""
+        out = torch.empty_like(X, dtype=dtype)
+        return torch.mul(X, self._inverse(self._norms(X)), out=out)
+
+    @staticmethod
+    def _norms(X: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
 
 
 def uses_q_form(X: Tensor) -> bool:
     """Whether :func:`iterate` runs the ``m x m`` products of the wide batch ``X`` in Triton."""
     m = X.size(-2)
     return kernel_handles(X[..., :m])  # the shape, dtype and device of X's Gram matrix
+
+
+def uses_half_q_form(X: Tensor) -> bool:
+    """Whether :func:`iterate` runs the Q-form in fp16 on cuBLAS (CUDA, no Triton kernel)."""
+    return X.is_cuda and not uses_q_form(X)
 
 
 def iterate(
@@ -187,19 +200,42 @@ def iterate(
 ) -> Tensor:
     """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
 
-    The terms of ``a X + B X`` nearly cancel in the first steps, so they are summed in fp32:
-    where the Triton kernel handles ``A`` it forms ``Q = a I + b A + c A A`` in fp32 and rounds
-    once, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``); elsewhere one
-    ``baddbmm``. With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is
-    symmetric), so a tall input's result comes out contiguous in its own orientation.
-    ``normalize`` divides the unnormalized input by its norm: in the Q-form inside the first
-    step (``A`` by the norm squared, ``Q`` by the norm), elsewhere by scaling ``X`` in place
-    first (``X`` is then overwritten).
+    The terms of ``a X + B X`` nearly cancel in the first steps, and ``Q = a I + B`` is close
+    to ``I`` in the last ones, so how ``Q`` is rounded decides the error:
+
+    - where the Triton kernel handles ``A`` it forms ``Q = a I + b A + c A A`` in fp32 and
+      rounds once to bf16, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``);
+    - elsewhere on CUDA (cuBLAS) the whole loop runs in fp16, normalized first (entries of
+      order one; 3 more mantissa bits than bf16, so ``Q``, rounded twice, stays closer to the
+      fp64 loop than the bf16 forms: tests), also ``X <- Q X``, and the result is cast back;
+    - on the CPU, one bf16 ``baddbmm`` per step, ``X <- a X + B X`` summed in fp32.
+
+    With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is symmetric), so
+    a tall input's result comes out contiguous in its own orientation. ``normalize`` divides
+    the unnormalized input by its norm: with the kernel inside the first step (``A`` by the
+    norm squared, ``Q`` by the norm), elsewhere before the loop (``X`` may be overwritten).
     """
     q_form = uses_q_form(X)
-    if normalize is not None and not q_form:
+    half = not q_form and uses_half_q_form(X)
+    if half:
+        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
+        normalize = None
+    elif normalize is not None and not q_form:
         normalize.scale_(X)
         normalize = None
+    out = _iterate_loop(X, coefficients, scale, transpose_result, normalize, q_form or half)
+    return out.to(torch.bfloat16) if half else out
+
+
+def _iterate_loop(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float,
+    transpose_result: bool,
+    normalize: Normalization | None,
+    q_form: bool,
+) -> Tensor:
+    """The steps of :func:`iterate`, in ``X``'s dtype: ``X <- Q X`` or one ``baddbmm``."""
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X)
@@ -218,10 +254,23 @@ def iterate(
             X = torch.bmm(Q, X)
             continue
         B = gram(A, alpha=c, C=A, beta=b)
+        if _is_transposed(X):
+            # A tall input seen through .mT: update its contiguous tall form, X^T <- X^T Q
+            # (baddbmm copies its input, and a contiguous copy is a plain memcpy).
+            T = torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+            if final_transposed:
+                return T
+            X = T.mT
+            continue
         if final_transposed:
             return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
     return X
+
+
+def _is_transposed(X: Tensor) -> bool:
+    """Whether the batch ``X`` is the ``.mT`` view of a contiguous batch."""
+    return not X.is_contiguous() and X.mT.is_contiguous()
 
 
 # Gram-space iteration: the Gram matrix is stored as GRAM_SCALE_CAP-capped ``m * X X^T`` in
@@ -253,8 +302,7 @@ def use_gram_iteration(X: Tensor) -> bool:
     if os.environ.get("MUON_PLUGIN_DISABLE_GRAM", "0") == "1":
         return False
     m, n = X.shape[-2:]
-    batch = math.prod(X.shape[:-2])
-    return n >= GRAM_MIN_ASPECT * m and kernel_handles(X) and use_symmetric_kernel(m, m, batch)
+    return X.is_cuda and n >= GRAM_MIN_ASPECT * m
 
 
 def iterate_gram(
@@ -356,15 +404,24 @@ class MatrixSpec:
         return total
 
 
-def stack_bf16(tensors: Sequence[Tensor]) -> Tensor:
-    """Stack same-shape tensors into one new bf16 buffer (one cast-while-copy launch)."""
-    first = tensors[0]
-    out = torch.empty((len(tensors), *first.shape), dtype=torch.bfloat16, device=first.device)
+def stack_bf16(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+    """Stack same-shape tensors into one bf16 buffer (one cast-while-copy launch).
+
+    ``out``, if given, is that buffer (``(len(tensors), *shape)``, bf16); else a new one.
+    """
+    if out is None:
+        first = tensors[0]
+        shape = (len(tensors), *first.shape)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=first.device)
     return torch.stack(list(tensors), out=out)
 
 
 def orthogonalize_stack(
-    X: Tensor | Sequence[Tensor], spec: MatrixSpec, out_dtype: torch.dtype | None = None
+    X: Tensor | Sequence[Tensor],
+    spec: MatrixSpec,
+    out_dtype: torch.dtype | None = None,
+    *,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
 
@@ -373,16 +430,19 @@ def orthogonalize_stack(
     Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
     ``param -= lr * result`` is the Muon update. ``out_dtype`` casts the whole stack once (one
     launch), which keeps the later multi-tensor update on its fast single-dtype path.
+    ``overwrite_input`` lets a bf16 tensor ``X`` be used as that scratch buffer.
     """
-    result = _orthogonalize_stack(X, spec)
+    result = _orthogonalize_stack(X, spec, overwrite_input)
     return result if out_dtype is None else result.to(out_dtype)
 
 
-def _orthogonalize_stack(X: Tensor | Sequence[Tensor], spec: MatrixSpec) -> Tensor:
+def _orthogonalize_stack(
+    X: Tensor | Sequence[Tensor], spec: MatrixSpec, overwrite_input: bool
+) -> Tensor:
     """``orthogonalize_stack`` in bf16 (see there)."""
     if spec.compile:
         return compiled_orthogonalize_stack()(X, replace(spec, compile=False))
-    scratch = not isinstance(X, Tensor)
+    scratch = overwrite_input or not isinstance(X, Tensor)
     if scratch:
         X = stack_bf16(X)
     param_shape = tuple(X.shape[1:])

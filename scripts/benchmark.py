@@ -662,6 +662,13 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             context=lambda: env_var("MUON_PLUGIN_DISABLE_GRAM", "1"),
         ),
         Row(
+            "MuonForeach, no CUDA graphs",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            context=lambda: env_var("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1"),
+            skip=None if torch.cuda.is_available() else "CUDA graphs need a GPU",
+        ),
+        Row(
             "MuonForeach(compile=True)",
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, compile=True),

@@ -180,6 +180,25 @@ def test_gram_cpu_falls_back_to_torch_exactly():
         assert torch.equal(gram(X4), y.reshape(3, 1, 20, 20))
 
 
+def test_gram_torch_path_rounding():
+    """Another output dtype goes through one fp32 product (one rounding, as in the kernel);
+    the input's own dtype is one baddbmm, and ``gamma * I`` is added after it."""
+    torch.manual_seed(1)
+    X = torch.randn(3, 16, 40).to(torch.bfloat16)
+    eye = torch.eye(16)
+    product = X.float() @ X.float().mT  # bf16 products are exact in fp32
+    out32 = gram(X, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32 and torch.equal(out32, product)
+    half = gram(X, alpha=2.0, gamma=1.5, out_dtype=torch.float16)
+    assert half.dtype == torch.float16
+    assert torch.equal(half, (product * 2.0 + 1.5 * eye).to(torch.float16))
+    R = half
+    Z = gram(R, alpha=0.5, C=R, beta=-2.0, gamma=3.0)
+    ref = torch.baddbmm(R, R, R.mT, beta=-2.0, alpha=0.5)
+    ref.diagonal(dim1=-2, dim2=-1).add_(3.0)
+    assert Z.dtype == torch.float16 and torch.equal(Z, ref)
+
+
 def test_gram_rejects_bad_c():
     with pytest.raises(ValueError):
         gram(torch.randn(4, 6), C=torch.randn(6, 6))

@@ -37,10 +37,11 @@ every layout, local ones included, so a parameter's update does not depend on ho
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
+from muon_plugin.cuda_graphs import GraphedOrthogonalization, use_cuda_graph
 from muon_plugin.distributed.groups import (
     Domain,
     group_domain,
@@ -65,6 +67,9 @@ from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 
 WIRE_DTYPE = torch.bfloat16
 WIRE_BYTES = 2
+# CUDA-graphed groups replayed side by side on their own streams (H200, GPT-125M: the three
+# groups of 72 small matrices run 11% faster overlapped than one after another).
+MAX_CONCURRENT_GROUPS = 3
 
 Slices = tuple[slice, ...]
 Rect = tuple[Slices, Slices]  # (slices into the unit, slices into the piece)
@@ -168,6 +173,10 @@ class OrthogonalizationPlan:
         self.batched = batched
         self.prefetch = max(0, int(prefetch))
         self.last_stats: dict[str, int] = {}
+        # Per group (by id): how its stack is orthogonalized (eagerly or via a CUDA graph).
+        self._stack_runners: dict[int, Callable[..., Tensor]] = {}
+        # Side streams on which the graphs of groups without return traffic run concurrently.
+        self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
@@ -181,6 +190,7 @@ class OrthogonalizationPlan:
         gathers: list[_InFlight | None] = [None] * len(groups)
         backs: list[tuple[_InFlight | None, Any]] = []
         launched = 0
+        concurrent: list[torch.cuda.Stream] = []  # the side stream of each graphed group
         for gi, group in enumerate(groups):
             # Keep the gathers of the next `prefetch` groups in flight while this one computes.
             while launched < len(groups) and launched <= gi + self.prefetch:
@@ -188,8 +198,10 @@ class OrthogonalizationPlan:
                 launched += 1
             stack = self._finish_gather(group, directions, gathers[gi])
             gathers[gi] = None
-            result = self._orthogonalize(group, stack)
+            result = self._orthogonalize(group, stack, concurrent)
             backs.append((self._launch_back(group, result, stats), result))
+        for stream in set(concurrent):
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
         for group, (back, result) in zip(groups, backs, strict=True):
             self._finish_back(group, directions, back, result, out)
         self.last_stats = stats
@@ -260,9 +272,16 @@ class OrthogonalizationPlan:
         return stack
 
     def _orthogonalize(
-        self, group: ShapeGroup, stack: Tensor | list[Tensor] | None
+        self,
+        group: ShapeGroup,
+        stack: Tensor | list[Tensor] | None,
+        concurrent: list[torch.cuda.Stream],
     ) -> Tensor | list[Tensor] | None:
-        """The orthogonalized slots: one stacked tensor (``batched``) or one tensor per slot."""
+        """The orthogonalized slots: one stacked tensor (``batched``) or one tensor per slot.
+
+        A CUDA-graphed group whose results stay on this rank replays on a side stream (taken
+        in turn, appended to ``concurrent``; ``run`` joins them), so small groups overlap.
+        """
         if stack is None:
             return None
         if self.batched:
@@ -272,11 +291,35 @@ class OrthogonalizationPlan:
             device = stack.device if isinstance(stack, Tensor) else stack[0].device
             foreach_update = device.type != "cuda" or not triton_kernels_enabled()
             small = not group.back_comm and math.prod(group.shape) < FUSED_MIN_NUMEL
-            cast = foreach_update and small
-            return orthogonalize_stack(stack, group.spec, out_dtype=group.dtype if cast else None)
+            out_dtype = group.dtype if foreach_update and small else None
+            runner = self._stack_runner(group, device, len(stack), out_dtype)
+            if not isinstance(runner, GraphedOrthogonalization) or group.back_comm:
+                return runner(stack)
+            streams = self._side_streams.setdefault(device, [])
+            turn = len(concurrent) % MAX_CONCURRENT_GROUPS
+            if turn == len(streams):
+                streams.append(torch.cuda.Stream(device))
+            concurrent.append(streams[turn])
+            return runner(stack, streams[turn])
         if isinstance(stack, Tensor):
             return [orthogonalize_stack(stack[s : s + 1], group.spec)[0] for s in range(len(stack))]
         return [orthogonalize_stack([x], group.spec)[0] for x in stack]
+
+    def _stack_runner(
+        self, group: ShapeGroup, device: torch.device, size: int, out_dtype: torch.dtype | None
+    ) -> Callable[..., Tensor]:
+        """The group's batched orthogonalization: eager, or a CUDA graph for small stacks."""
+        runner = self._stack_runners.get(id(group))
+        if runner is None:
+            if use_cuda_graph(device, size, math.prod(group.unit_shape), group.spec):
+                name = f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)"
+                runner = GraphedOrthogonalization(group.spec, out_dtype, name)
+            else:
+                runner = functools.partial(
+                    orthogonalize_stack, spec=group.spec, out_dtype=out_dtype
+                )
+            self._stack_runners[id(group)] = runner
+        return runner
 
     def _launch_back(self, group: ShapeGroup, result: Any, stats: dict) -> _InFlight | None:
         if not group.back_comm:

@@ -204,10 +204,11 @@ def gram(
     only the upper triangle). Uses the Triton kernel (see ``symmetric_matmul``; C must then be
     symmetric) where ``kernel_handles(X)``: bf16/fp16 CUDA tensors in the shape region where it
     beats cuBLAS (``use_symmetric_kernel``), unless triton is missing or
-    MUON_PLUGIN_DISABLE_TRITON=1; the kernel adds ``gamma * I`` in fp32 and rounds once to
-    ``out_dtype``. Otherwise ``torch.mm``/``bmm``/``addmm``/``baddbmm`` (any C): in X's dtype
-    for a plain product, and with the kernel's numerics (fp32 inputs, one rounding at the
-    end) when ``gamma`` or ``out_dtype`` is given. Returns (..., m, m).
+    MUON_PLUGIN_DISABLE_TRITON=1; the kernel sums everything in fp32 and rounds once to
+    ``out_dtype``. Otherwise ``torch`` matmuls (cuBLAS): an ``out_dtype`` other than X's is
+    reached through an fp32 product (one rounding, as in the kernel); in X's own dtype the
+    product is one ``baddbmm`` (one rounding) and ``gamma * I`` is added to it after (a
+    second rounding, of the diagonal only). Returns (..., m, m).
     """
     if C is not None:
         _check_c(C, X)
@@ -216,9 +217,23 @@ def gram(
             X, Y=Y, alpha=alpha, C=C, beta=beta, gamma=gamma, out_dtype=out_dtype
         )
     Y = X if Y is None else Y
-    if gamma == 0.0 and out_dtype in (None, X.dtype):
-        return _torch_gram(X, Y, alpha, C, beta)
+    if out_dtype in (None, X.dtype):
+        out = _torch_gram(X, Y, alpha, C, beta)
+    else:
+        out = _product_fp32(X, Y)
+        if alpha != 1.0:
+            out.mul_(alpha)
+        if C is not None:
+            out.add_(C, alpha=beta)
+    if gamma != 0.0:
+        out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
+
+
+def _product_fp32(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """``X @ Y.mT`` accumulated and returned in fp32 (tensor cores for bf16/fp16 on CUDA)."""
     f32 = torch.float32
-    out = _torch_gram(X.to(f32), Y.to(f32), alpha, None if C is None else C.to(f32), beta)
-    out.diagonal(dim1=-2, dim2=-1).add_(gamma)
-    return out.to(out_dtype or X.dtype)
+    if X.is_cuda and X.dtype in _KERNEL_DTYPES and X.dim() in (2, 3):
+        mm = torch.mm if X.dim() == 2 else torch.bmm
+        return mm(X, Y.mT, out_dtype=f32)
+    return X.to(f32) @ Y.to(f32).mT

@@ -1,0 +1,138 @@
+"""CUDA graphs for orthogonalizing small stacks, whose launches cost more than their math.
+
+Orthogonalizing one stack of matrices launches ~20 kernels (five iterations of two or three
+products, plus normalization). For small matrices (a GPT-125M has 72 of at most 768 x 3072)
+each kernel runs for tens of microseconds while its launch through PyTorch and cuBLAS costs
+about as much host time, so an eager Muon step is bound by the host. A captured graph replays
+the whole stack's kernels with one launch.
+
+:class:`GraphedOrthogonalization` wraps :func:`~muon_plugin.orthogonalize.orthogonalize_stack`
+for one shape group of the orthogonalization plan: the first call runs eagerly (it autotunes
+the Triton kernels and warms cuBLAS), the second captures the call with a static input buffer,
+and every later call copies its input into that buffer and replays. The math is the same
+sequence of kernels, so results equal the eager ones. Graphs are used only on CUDA, for
+matrices of at most ``GRAPH_MAX_MATRIX_NUMEL`` elements in stacks of at most
+``GRAPH_MAX_STACK_NUMEL`` (the graph keeps its intermediates allocated between steps, a few
+times the stack), and never with ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``. A capture that fails
+falls back to eager execution for that group, with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack, stack_bf16
+
+# Matrices up to 2048 x 2048 (or 1024 x 4096): above that the products run long enough that
+# launches overlap with them (measured on an H200: see docs/performance.md).
+GRAPH_MAX_MATRIX_NUMEL = 2**22
+# 256 MiB of bf16 input per stack: bounds the memory a graph keeps between steps.
+GRAPH_MAX_STACK_NUMEL = 2**27
+
+
+def cuda_graphs_enabled() -> bool:
+    """False when ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``."""
+    return os.environ.get("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "0") != "1"
+
+
+def use_cuda_graph(
+    device: torch.device, stack_size: int, matrix_numel: int, spec: MatrixSpec
+) -> bool:
+    """Whether a stack of ``stack_size`` units with ``matrix_numel``-element matrices is graphed."""
+    return (
+        device.type == "cuda"
+        and cuda_graphs_enabled()
+        and not spec.compile
+        and 0 < matrix_numel <= GRAPH_MAX_MATRIX_NUMEL
+        and stack_size * matrix_numel <= GRAPH_MAX_STACK_NUMEL
+    )
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    static_input: Tensor  # (stack, *unit_shape), bf16; refilled before every replay
+    output: Tensor  # written by every replay
+
+
+class GraphedOrthogonalization:
+    """``orthogonalize_stack(X, spec, out_dtype)`` for one fixed stack shape, via a CUDA graph.
+
+    The returned tensor is the graph's static output: it holds this call's result until the
+    next call on the same object (the optimizer consumes it within the step). Inputs whose
+    shape differs from the captured one run eagerly.
+    """
+
+    def __init__(self, spec: MatrixSpec, out_dtype: torch.dtype | None, name: str) -> None:
+        self.spec = spec
+        self.out_dtype = out_dtype
+        self.name = name
+        self.calls = 0
+        self.failed = False
+        self.captured: _Captured | None = None
+
+    def __call__(
+        self, X: Tensor | Sequence[Tensor], stream: torch.cuda.Stream | None = None
+    ) -> Tensor:
+        """Orthogonalize ``X``; a replay runs on ``stream`` if given (after the input is copied
+        on the current stream, which must wait for ``stream`` before reading the result)."""
+        self.calls += 1
+        shape = _stack_shape(X)
+        if self.failed or self.calls == 1:
+            return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
+        if self.captured is None:
+            self.captured = self._capture(X, shape)
+            if self.captured is None:
+                return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
+            stream = None  # the capture's own first replay stays on the current stream
+        elif tuple(self.captured.static_input.shape) != shape:
+            return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
+        else:
+            _fill(self.captured.static_input, X)
+        if stream is None:
+            self.captured.graph.replay()
+        else:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                self.captured.graph.replay()
+        return self.captured.output
+
+    def _capture(self, X: Tensor | Sequence[Tensor], shape: tuple[int, ...]) -> _Captured | None:
+        first = X if isinstance(X, Tensor) else X[0]
+        static_input = torch.empty(shape, dtype=torch.bfloat16, device=first.device)
+        _fill(static_input, X)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                output = orthogonalize_stack(
+                    static_input, self.spec, out_dtype=self.out_dtype, overwrite_input=True
+                )
+        except Exception as e:  # a capture failure must never stop training
+            self.failed = True
+            warnings.warn(
+                f"muon_plugin: CUDA graph capture failed for {self.name} "
+                f"({type(e).__name__}: {e}); orthogonalizing it eagerly from now on",
+                stacklevel=3,
+            )
+            return None
+        return _Captured(graph, static_input, output)
+
+
+def _stack_shape(X: Tensor | Sequence[Tensor]) -> tuple[int, ...]:
+    if isinstance(X, Tensor):
+        return tuple(X.shape)
+    return (len(X), *X[0].shape)
+
+
+def _fill(static_input: Tensor, X: Tensor | Sequence[Tensor]) -> None:
+    """Copy the stack (a tensor, or same-shape pieces cast while stacked) into the buffer."""
+    if isinstance(X, Tensor):
+        static_input.copy_(X)
+    else:
+        stack_bf16(X, out=static_input)

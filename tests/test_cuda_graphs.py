@@ -1,0 +1,100 @@
+"""CUDA-graphed orthogonalization: when it applies (CPU-testable), and on a GPU that a replay
+gives the eager result bit for bit, inside the optimizer too, and that a failed capture falls
+back to eager execution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muon_plugin import MuonForeach
+from muon_plugin.cuda_graphs import (
+    GRAPH_MAX_MATRIX_NUMEL,
+    GRAPH_MAX_STACK_NUMEL,
+    GraphedOrthogonalization,
+    use_cuda_graph,
+)
+from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SPEC = MatrixSpec()
+
+
+def test_graphs_only_for_small_cuda_stacks(monkeypatch):
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert use_cuda_graph(gpu, 48, 768 * 768, SPEC)
+    assert use_cuda_graph(gpu, 4, GRAPH_MAX_MATRIX_NUMEL, SPEC)
+    assert not use_cuda_graph(cpu, 48, 768 * 768, SPEC)
+    assert not use_cuda_graph(gpu, 4, 4096 * 14336, SPEC)  # long enough to hide launches
+    too_many = GRAPH_MAX_STACK_NUMEL // (1024 * 1024) + 1
+    assert not use_cuda_graph(gpu, too_many, 1024 * 1024, SPEC)  # memory kept between steps
+    assert not use_cuda_graph(gpu, 48, 768 * 768, MatrixSpec(compile=True))
+    assert not use_cuda_graph(gpu, 48, 0, SPEC)
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1")
+    assert not use_cuda_graph(gpu, 48, 768 * 768, SPEC)
+
+
+def pieces(n: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(shape, device="cuda", generator=g) for _ in range(n)]
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(96, 96), (64, 256), (256, 64)], ids=str)
+def test_replay_equals_eager_bitwise(shape):
+    graphed = GraphedOrthogonalization(SPEC, None, "test")
+    side = torch.cuda.Stream()
+    for call in range(4):
+        X = pieces(6, shape, seed=call)
+        eager = orthogonalize_stack(X, SPEC)
+        out = graphed(X, side if call == 3 else None)
+        torch.cuda.current_stream().wait_stream(side)
+        assert graphed.captured is not None or call == 0
+        assert torch.equal(out, eager), f"call {call}"
+    stacked = torch.stack(pieces(6, shape, seed=9)).to(torch.bfloat16)
+    assert torch.equal(graphed(stacked), orthogonalize_stack(stacked, SPEC))
+    other = pieces(3, shape, seed=10)  # another stack size: eager, not the captured graph
+    assert torch.equal(graphed(other), orthogonalize_stack(other, SPEC))
+
+
+@cuda
+def test_failed_capture_falls_back_to_eager(monkeypatch):
+    import muon_plugin.cuda_graphs as cg
+
+    def not_capturable(X, spec, out_dtype=None, *, overwrite_input=False):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing
+        return orthogonalize_stack(X, spec, out_dtype, overwrite_input=overwrite_input)
+
+    monkeypatch.setattr(cg, "orthogonalize_stack", not_capturable)
+    graphed = GraphedOrthogonalization(SPEC, None, "test group")
+    X = pieces(4, (64, 64), seed=1)
+    graphed(X)
+    with pytest.warns(UserWarning, match="test group"):
+        out = graphed(X)
+    assert graphed.failed and graphed.captured is None
+    assert torch.equal(out, orthogonalize_stack(X, SPEC))
+    assert torch.equal(graphed(X), out)
+
+
+@cuda
+def test_optimizer_with_graphs_matches_eager(monkeypatch):
+    """Five steps of MuonForeach on GPT-like shapes: graphs and side streams change nothing."""
+
+    def run() -> list[torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        shapes = [(128, 128)] * 4 + [(512, 128), (128, 512)]
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+        opt = MuonForeach(params, lr=0.02, wd=0.01)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in params]
+
+    graphed = run()
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1")
+    eager = run()
+    for a, b in zip(graphed, eager, strict=True):
+        assert torch.equal(a, b)
