@@ -64,44 +64,53 @@ class _Captured:
 class GraphedOrthogonalization:
     """``orthogonalize_stack(X, spec, out_dtype)`` for one fixed stack shape, via a CUDA graph.
 
-    The returned tensor is the graph's static output: it holds this call's result until the
-    next call on the same object (the optimizer consumes it within the step). Inputs whose
-    shape differs from the captured one run eagerly.
+    With a ``stream`` the graph is captured on it and every replay runs on it, after the input
+    is copied on the caller's current stream, which must wait for ``stream`` before it reads
+    the result; several runners on different streams overlap on the GPU. A graph is tied to
+    its stream because cuBLAS bakes the stream's workspace into it: two graphs captured on one
+    stream and replayed concurrently would share that workspace. The returned tensor is the
+    graph's static output: it holds this call's result until the next call on the same object
+    (the optimizer consumes it within the step). Inputs of another shape run eagerly.
     """
 
-    def __init__(self, spec: MatrixSpec, out_dtype: torch.dtype | None, name: str) -> None:
+    def __init__(
+        self,
+        spec: MatrixSpec,
+        out_dtype: torch.dtype | None,
+        name: str,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.spec = spec
         self.out_dtype = out_dtype
         self.name = name
+        self.stream = stream
         self.calls = 0
         self.failed = False
         self.captured: _Captured | None = None
 
-    def __call__(
-        self, X: Tensor | Sequence[Tensor], stream: torch.cuda.Stream | None = None
-    ) -> Tensor:
-        """Orthogonalize ``X``; a replay runs on ``stream`` if given (after the input is copied
-        on the current stream, which must wait for ``stream`` before reading the result)."""
+    def __call__(self, X: Tensor | Sequence[Tensor]) -> Tensor:
         self.calls += 1
         shape = _stack_shape(X)
         if self.failed or self.calls == 1:
-            return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
+            return self._eager(X)
         if self.captured is None:
             self.captured = self._capture(X, shape)
             if self.captured is None:
-                return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
-            stream = None  # the capture's own first replay stays on the current stream
+                return self._eager(X)
         elif tuple(self.captured.static_input.shape) != shape:
-            return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
+            return self._eager(X)
         else:
             _fill(self.captured.static_input, X)
-        if stream is None:
+        if self.stream is None:
             self.captured.graph.replay()
         else:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-            with torch.cuda.stream(stream):
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
                 self.captured.graph.replay()
         return self.captured.output
+
+    def _eager(self, X: Tensor | Sequence[Tensor]) -> Tensor:
+        return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
 
     def _capture(self, X: Tensor | Sequence[Tensor], shape: tuple[int, ...]) -> _Captured | None:
         first = X if isinstance(X, Tensor) else X[0]
@@ -109,7 +118,15 @@ class GraphedOrthogonalization:
         _fill(static_input, X)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            if self.stream is not None:
+                # Warm up on the capture stream first (its cuBLAS handle and workspace are
+                # created outside the graph's memory pool), as torch.cuda.graphs recommends.
+                current = torch.cuda.current_stream(self.stream.device)
+                self.stream.wait_stream(current)
+                with torch.cuda.stream(self.stream):
+                    orthogonalize_stack(static_input.clone(), self.spec, out_dtype=self.out_dtype)
+                current.wait_stream(self.stream)
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 output = orthogonalize_stack(
                     static_input, self.spec, out_dtype=self.out_dtype, overwrite_input=True
                 )

@@ -285,12 +285,12 @@ class Muon(Optimizer):
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
-        if "momentum_buffer" not in state:
+        buf = state.get("momentum_buffer")
+        if buf is None:
             dtype = momentum_dtype(p.dtype)
-            state["momentum_buffer"] = torch.zeros_like(
-                p, dtype=dtype, memory_format=torch.preserve_format
-            )
-        return state["momentum_buffer"]
+            buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = buf
+        return buf
 
     def _orthogonalization_plan(
         self, params: list[Tensor], specs: list[MatrixSpec]

@@ -40,21 +40,43 @@ def pieces(n: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
 
 
 @cuda
+@pytest.mark.parametrize("on_side_stream", [False, True], ids=["current", "side"])
 @pytest.mark.parametrize("shape", [(96, 96), (64, 256), (256, 64)], ids=str)
-def test_replay_equals_eager_bitwise(shape):
-    graphed = GraphedOrthogonalization(SPEC, None, "test")
-    side = torch.cuda.Stream()
+def test_replay_equals_eager_bitwise(shape, on_side_stream):
+    stream = torch.cuda.Stream() if on_side_stream else None
+    graphed = GraphedOrthogonalization(SPEC, None, "test", stream)
     for call in range(4):
         X = pieces(6, shape, seed=call)
         eager = orthogonalize_stack(X, SPEC)
-        out = graphed(X, side if call == 3 else None)
-        torch.cuda.current_stream().wait_stream(side)
-        assert graphed.captured is not None or call == 0
+        out = graphed(X)
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        assert (graphed.captured is not None) == (call > 0)
         assert torch.equal(out, eager), f"call {call}"
     stacked = torch.stack(pieces(6, shape, seed=9)).to(torch.bfloat16)
-    assert torch.equal(graphed(stacked), orthogonalize_stack(stacked, SPEC))
+    out = graphed(stacked)
+    torch.cuda.current_stream().wait_stream(stream or torch.cuda.current_stream())
+    assert torch.equal(out, orthogonalize_stack(stacked, SPEC))
     other = pieces(3, shape, seed=10)  # another stack size: eager, not the captured graph
     assert torch.equal(graphed(other), orthogonalize_stack(other, SPEC))
+
+
+@cuda
+def test_concurrent_replays_of_large_products_stay_exact():
+    """GPT-125M-sized stacks, whose cuBLAS products use a workspace, replayed side by side on
+    their own streams: each equals its eager result (a shared capture stream would race)."""
+    shapes = [(48, (768, 768)), (12, (3072, 768)), (12, (768, 3072))]
+    runners = [
+        GraphedOrthogonalization(SPEC, None, f"group {i}", torch.cuda.Stream())
+        for i in range(len(shapes))
+    ]
+    for call in range(3):
+        inputs = [pieces(n, shape, seed=10 * call + i) for i, (n, shape) in enumerate(shapes)]
+        outs = [run(X) for run, X in zip(runners, inputs, strict=True)]
+        for run in runners:
+            torch.cuda.current_stream().wait_stream(run.stream)
+        for X, out in zip(inputs, outs, strict=True):
+            assert torch.equal(out, orthogonalize_stack(X, SPEC)), f"call {call}"
 
 
 @cuda
@@ -78,12 +100,13 @@ def test_failed_capture_falls_back_to_eager(monkeypatch):
 
 
 @cuda
-def test_optimizer_with_graphs_matches_eager(monkeypatch):
-    """Five steps of MuonForeach on GPT-like shapes: graphs and side streams change nothing."""
+@pytest.mark.parametrize("d", [128, 768], ids=["small", "gpt-125m"])
+def test_optimizer_with_graphs_matches_eager(monkeypatch, d):
+    """Five steps of MuonForeach on GPT-like layers: graphs and side streams change nothing."""
 
     def run() -> list[torch.Tensor]:
         g = torch.Generator(device="cuda").manual_seed(0)
-        shapes = [(128, 128)] * 4 + [(512, 128), (128, 512)]
+        shapes = ([(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]) * 2
         params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
         opt = MuonForeach(params, lr=0.02, wd=0.01)
         for _ in range(5):

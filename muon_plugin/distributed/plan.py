@@ -279,8 +279,7 @@ class OrthogonalizationPlan:
     ) -> Tensor | list[Tensor] | None:
         """The orthogonalized slots: one stacked tensor (``batched``) or one tensor per slot.
 
-        A CUDA-graphed group whose results stay on this rank replays on a side stream (taken
-        in turn, appended to ``concurrent``; ``run`` joins them), so small groups overlap.
+        Side streams a group's CUDA graph replays on are appended to ``concurrent``.
         """
         if stack is None:
             return None
@@ -292,33 +291,48 @@ class OrthogonalizationPlan:
             foreach_update = device.type != "cuda" or not triton_kernels_enabled()
             small = not group.back_comm and math.prod(group.shape) < FUSED_MIN_NUMEL
             out_dtype = group.dtype if foreach_update and small else None
-            runner = self._stack_runner(group, device, len(stack), out_dtype)
-            if not isinstance(runner, GraphedOrthogonalization) or group.back_comm:
-                return runner(stack)
-            streams = self._side_streams.setdefault(device, [])
-            turn = len(concurrent) % MAX_CONCURRENT_GROUPS
-            if turn == len(streams):
-                streams.append(torch.cuda.Stream(device))
-            concurrent.append(streams[turn])
-            return runner(stack, streams[turn])
+            return self._stack_runner(group, device, len(stack), out_dtype, concurrent)(stack)
         if isinstance(stack, Tensor):
             return [orthogonalize_stack(stack[s : s + 1], group.spec)[0] for s in range(len(stack))]
         return [orthogonalize_stack([x], group.spec)[0] for x in stack]
 
     def _stack_runner(
-        self, group: ShapeGroup, device: torch.device, size: int, out_dtype: torch.dtype | None
-    ) -> Callable[..., Tensor]:
-        """The group's batched orthogonalization: eager, or a CUDA graph for small stacks."""
+        self,
+        group: ShapeGroup,
+        device: torch.device,
+        size: int,
+        out_dtype: torch.dtype | None,
+        concurrent: list[torch.cuda.Stream],
+    ) -> Callable[[Tensor | list[Tensor]], Tensor]:
+        """The group's batched orthogonalization: eager, or a CUDA graph for small stacks.
+
+        A graphed group whose results stay on this rank gets a side stream of its own (taken
+        in turn, at most ``MAX_CONCURRENT_GROUPS`` per device), so small groups overlap on the
+        GPU; its stream is appended to ``concurrent``, which ``run`` joins before the results
+        are read.
+        """
         runner = self._stack_runners.get(id(group))
         if runner is None:
             if use_cuda_graph(device, size, math.prod(group.unit_shape), group.spec):
                 name = f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)"
-                runner = GraphedOrthogonalization(group.spec, out_dtype, name)
+                stream = None
+                if not group.back_comm:
+                    streams = self._side_streams.setdefault(device, [])
+                    turn = sum(
+                        isinstance(r, GraphedOrthogonalization) and r.stream is not None
+                        for r in self._stack_runners.values()
+                    )
+                    if turn < MAX_CONCURRENT_GROUPS:
+                        streams.append(torch.cuda.Stream(device))
+                    stream = streams[turn % MAX_CONCURRENT_GROUPS]
+                runner = GraphedOrthogonalization(group.spec, out_dtype, name, stream)
             else:
                 runner = functools.partial(
                     orthogonalize_stack, spec=group.spec, out_dtype=out_dtype
                 )
             self._stack_runners[id(group)] = runner
+        if isinstance(runner, GraphedOrthogonalization) and runner.stream is not None:
+            concurrent.append(runner.stream)
         return runner
 
     def _launch_back(self, group: ShapeGroup, result: Any, stats: dict) -> _InFlight | None:

@@ -19,6 +19,7 @@ Imports triton at top level: reach it only through ``muon_plugin.kernels.element
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -243,6 +244,9 @@ _layouts = _LRU(_MAX_LAYOUTS)
 _pointer_tables = _LRU(_MAX_POINTER_TABLES)
 
 
+_shape = operator.attrgetter("shape")
+
+
 def _tables(
     a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], with_dir: bool
 ) -> tuple[_Layout, torch.Tensor, bool]:
@@ -254,7 +258,7 @@ def _tables(
     """
     device = b[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    shapes = tuple(t.shape for t in b)
+    shapes = tuple(map(_shape, b))
     layout = _layouts.get_or_build((device, stream, shapes), lambda: _Layout(shapes, device))
     a_ptrs = tuple(map(torch.Tensor.data_ptr, a))
     b_ptrs = tuple(map(torch.Tensor.data_ptr, b))

@@ -62,6 +62,11 @@ def kernel_groups(
     # This runs on every step: cheap attribute reads only (``.device`` builds an object), and
     # C-level maps for the common case of one device, all contiguous, matching numels.
     if _uniform(a, b):
+        a_types, b_types = set(map(_dtype, a)), set(map(_dtype, b))
+        if len(a_types) == len(b_types) == 1:  # the common case: one launch or none
+            usable = a_types <= KERNEL_DTYPES and b_types <= KERNEL_DTYPES
+            every = list(range(len(a)))
+            return ([every], []) if usable else ([], every)
         for i, key in enumerate(zip(map(_dtype, a), map(_dtype, b), strict=True)):
             if key[0] in KERNEL_DTYPES and key[1] in KERNEL_DTYPES:
                 groups.setdefault(key, []).append(i)
