@@ -236,13 +236,16 @@ def test_gram_space_restart_every_step_is_the_plain_q_form_loop(monkeypatch):
     assert rel_err(every_step, q_form) < 3e-2  # fp16 vs bf16 m x m matrices, 6 steps
 
 
-@pytest.mark.parametrize("gram_space", [False, True])
-def test_zero_input_stays_zero_on_every_path(monkeypatch, gram_space):
+@pytest.mark.parametrize("path", ["kernel", "kernel-gram", "half", "torch-gram"])
+def test_zero_input_stays_zero_on_every_path(monkeypatch, path):
     import muon_plugin.orthogonalize as ortho
 
-    monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
-    monkeypatch.setattr(ortho, "gram", kernel_like_gram)
-    out = zeropower(torch.zeros(2, 16, 40), 5, gram_space=gram_space)
+    if path.startswith("kernel"):
+        monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
+        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+    if path == "half":
+        monkeypatch.setattr(ortho, "uses_half_q_form", lambda X: True)
+    out = zeropower(torch.zeros(2, 16, 40), 5, gram_space=path.endswith("gram"))
     assert torch.isfinite(out).all() and (out == 0).all()
 
 
