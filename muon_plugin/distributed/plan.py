@@ -175,8 +175,9 @@ class OrthogonalizationPlan:
         self.last_stats: dict[str, int] = {}
         # Per group (by id): how its stack is orthogonalized (eagerly or via a CUDA graph).
         self._stack_runners: dict[int, Callable[..., Tensor]] = {}
-        # Side streams on which the graphs of groups without return traffic run concurrently.
-        self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+        # Per device: the side streams on which the graphs of groups without return traffic
+        # run concurrently, and how many groups have been given one (they take turns).
+        self._side_streams: dict[torch.device, tuple[list[torch.cuda.Stream], list[int]]] = {}
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
@@ -317,14 +318,11 @@ class OrthogonalizationPlan:
                 name = f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)"
                 stream = None
                 if not group.back_comm:
-                    streams = self._side_streams.setdefault(device, [])
-                    turn = sum(
-                        isinstance(r, GraphedOrthogonalization) and r.stream is not None
-                        for r in self._stack_runners.values()
-                    )
-                    if turn < MAX_CONCURRENT_GROUPS:
+                    streams, turns = self._side_streams.setdefault(device, ([], [0]))
+                    if len(streams) < MAX_CONCURRENT_GROUPS:
                         streams.append(torch.cuda.Stream(device))
-                    stream = streams[turn % MAX_CONCURRENT_GROUPS]
+                    stream = streams[turns[0] % len(streams)]
+                    turns[0] += 1
                 runner = GraphedOrthogonalization(group.spec, out_dtype, name, stream)
             else:
                 runner = functools.partial(
