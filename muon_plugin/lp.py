@@ -34,11 +34,13 @@ class MuonLP(MuonForeach):
 
     Args:
         state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. int8 and
-            fp8 use torchao's low-bit optimizer-state tensor types, int4 torchao's 4-bit
-            code-map primitives with a Gaussian Lloyd-Max map and per-block RMS scales
-            (``pip install 'muon_plugin[lp]'``); ``"bf16"`` needs no torchao.
-        block_size: elements per quantization scale (default: torchao's, 256 for int8 / fp8,
-            128 for int4). Blocks run along the last dim and never cross a row; ignored for bf16.
+            fp8 use torchao's low-bit optimizer-state tensor types
+            (``pip install 'muon_plugin[lp]'``); int4 (a uniform mid-rise 16-level map with a
+            bf16 absmax per block, see :mod:`muon_plugin.lp_state`) and ``"bf16"`` need no
+            torchao.
+        block_size: elements per quantization scale (default: 256 for int8 / fp8, torchao's,
+            and 32 for int4). Blocks run along the last dim and never cross a row; ignored for
+            bf16.
 
     Each step, per Muon parameter: dequantize the local momentum to fp32, apply Muon's momentum
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
@@ -49,20 +51,24 @@ class MuonLP(MuonForeach):
     torchao's ops as tens of small kernels per parameter.
 
     Memory per Muon parameter element: int8 / fp8 1 byte + 4 bytes per block (1.016 at 256),
-    int4 0.5 + 4/128 = 0.531, bf16 2 (fp32 Muon momentum: 4).
+    int4 0.5 + 2/32 = 0.5625, bf16 2 (fp32 Muon momentum: 4).
 
     Fallback: a parameter that cannot be blocked (fewer than 4096 elements, last dim not a
     multiple of ``block_size``, or last-dim sharding that would split a block) keeps bf16
     momentum; the optimizer logs one warning listing them.
 
-    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales``, or a bf16
-    ``momentum_buffer``), DTensors laid out like their parameter, so ``state_dict()`` and DCP
+    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales``, or
+    ``momentum_scales_bf16`` for int4, or a bf16 ``momentum_buffer``), DTensors laid out like
+    their parameter, so ``state_dict()`` and DCP
     (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as for
     any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading dims)
     moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved in
-    another format (another ``state_dtype`` or block size, or the fp32 ``momentum_buffer`` of
-    ``Muon`` / ``MuonForeach``) by dequantizing and requantizing it. Through DCP the checkpoint
-    must hold the same format, since DCP loads into this optimizer's own state tensors.
+    another format (another ``state_dtype`` or block size, the fp32 ``momentum_buffer`` of
+    ``Muon`` / ``MuonForeach``, or the int4 format of earlier versions, Lloyd-Max codes with
+    fp32 ``momentum_scales``) by dequantizing and requantizing it. Through DCP the checkpoint
+    must hold the same format, since DCP loads into this optimizer's own state tensors (an
+    earlier int4 checkpoint fails there with a missing ``momentum_scales_bf16`` key: load it
+    with ``load_state_dict`` instead).
 
     AdamW / Adam groups keep full-precision state (fp32 ``exp_avg`` / ``exp_avg_sq`` and torch's
     fused or foreach kernels, exactly as in ``MuonForeach``): those groups hold embeddings,
@@ -81,7 +87,7 @@ class MuonLP(MuonForeach):
     ) -> None:
         self.state_dtype = state_dtype
         self.block_size = validate_state_dtype(state_dtype, block_size)
-        if state_dtype != "bf16":
+        if state_dtype in ("int8", "fp8"):
             require_torchao(state_dtype)
         self._formats: dict[Tensor, StateFormat] = {}
         self._fallbacks: list[str] = []

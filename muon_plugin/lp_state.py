@@ -6,7 +6,9 @@ A parameter's momentum is stored in one of these formats (:class:`StateFormat`):
 - ``int8`` / ``fp8``: ``momentum_codes`` (uint8 / float8_e4m3fn, shaped like the parameter) and
   ``momentum_scales`` (fp32, shape ``(*param.shape[:-1], param.shape[-1] // block_size)``).
 - ``int4``: ``momentum_codes`` (uint8, two 4-bit codes a byte, shape
-  ``(*param.shape[:-1], param.shape[-1] // 2)``) and ``momentum_scales`` as above.
+  ``(*param.shape[:-1], param.shape[-1] // 2)``) and ``momentum_scales_bf16`` (bf16, one a
+  block, shape as for ``momentum_scales``): 0.5 + 2 / 32 = 0.5625 bytes per element at the
+  default block size 32.
 
 Quantization blocks are ``block_size`` consecutive elements of one row (along the last dim),
 never crossing a row. The codes and scales are plain tensors, or DTensors with exactly the
@@ -23,19 +25,34 @@ The math runs through torchao: int8 and fp8 use its low-bit optimizer-state tens
 step wraps the local codes and scales, no copy, in ``OptimState8bit`` / ``OptimStateFp8``,
 dequantizes with their ``dequantize()``, updates the momentum in fp32 and requantizes in place
 with their ``copy_``: blockwise absmax scaling, the signed dynamic-tree map for int8, e4m3 for
-fp8). int4 uses torchao's 4-bit code-map primitives (``quantize_4bit_with_qmap`` /
-``dequant_with_qmap``) with its own code map and scale, not ``OptimState4bit``'s (see
-:data:`INT4_LEVELS`). torchao is imported only for quantized formats (the ``lp`` extra).
+fp8). int4 is plain torch arithmetic (see :data:`INT4_LEVELS`), not torchao's
+``OptimState4bit``. torchao is imported only for int8 and fp8 (the ``lp`` extra).
 
-Why int4 does not use torchao's 4-bit first-moment format: Muon momentum is close to Gaussian
-within a block (kurtosis about 4), and its quantization error is fed back every step
-(``buf <- lerp(Q(buf), grad, 1 - momentum)``), so it accumulates in the momentum about
-``1 / sqrt(1 - momentum**2)`` = 3x (momentum 0.95). torchao's signed dynamic-tree map with absmax
-scaling spends 7 of its 16 codes on ``|x| < 0.08 * absmax`` and has steps of ``0.225 * absmax``
-(about 0.7 standard deviations) where most of the mass is; it is also asymmetric (largest
-negative code ``-0.8875``). Its relative error on real Muon momentum is about 15%, against 10.6%
-for the Gaussian Lloyd-Max map with an RMS scale used here, and in training the loss gap shrank
-accordingly (see scripts/bench_lp.py).
+The int4 format: each block of 32 is split into 16 equal cells spanning
+``[-absmax, absmax]`` (``absmax`` rounded up to bf16 and stored), and each element is stored as
+the centre of its cell, ``(code - 7.5) / 8 * absmax`` (a uniform mid-rise quantizer, round to
+nearest). The two outermost centres are ``+-15/16 * absmax``, so the largest element of a block
+is stored up to 1/16 smaller than it is. How it was chosen (scripts/bench_lp.py's ``mlp`` task,
+the sensitive one, CPU ``--quick``, mean of 2-3 data seeds, final loss against fp32-state Muon;
+full table in docs/performance.md):
+
+- the previous format (Gaussian Lloyd-Max map, per-block fp32 RMS scale, block 128; the
+  lowest one-shot error of any 16-level scalar code on Gaussian blocks, 9.5%) was +8.8%, and
+  the same map with absmax scales, stochastic rounding or blocks of 32 / 16 +9% to +17%:
+  one-shot error does not decide, since the momentum is requantized every step
+  (``buf <- lerp(Q(buf), grad, 1 - momentum)``) and its error compounds;
+- a uniform map whose outermost levels are ``+-absmax`` (``linspace(-1, 1, 16)``), block 32,
+  bf16 absmax: +11.7% with round to nearest or stochastic rounding;
+- this mid-rise map, block 32, bf16 absmax, round to nearest: +1.0 to +1.4% (block 64: +3.5
+  to +4.0%; block 128: +5.7%); stochastic rounding +2.5%, a low-discrepancy temporal dither
+  +0.6% (within noise, and it needs a step counter and global element indices).
+
+The difference between the last two is the top cell: the largest element of each block is
+stored at 15/16 of itself, which damps the largest momentum entries a little every step. That
+damping alone (fp32 momentum clipped to 15/16 of each block's absmax, no rounding) lowers the
+``mlp`` loss by 3.2%, so about 3 of the ~4.5 points the int4 rounding costs there are offset by
+the damping rather than removed: the format slightly changes the algorithm, it is not only a
+coarser copy of fp32 momentum.
 """
 
 from __future__ import annotations
@@ -51,25 +68,30 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 STATE_DTYPES = ("bf16", "int8", "int4", "fp8")
 QUANTIZED_DTYPES = ("int8", "int4", "fp8")
-# torchao's own defaults for its low-bit Adam optimizers.
-DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 128, "fp8": 256}
+# torchao's own defaults for its low-bit Adam optimizers (int8, fp8); int4 measured (above).
+DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 32, "fp8": 256}
 # Like torchao's (and bitsandbytes') optimizers: smaller tensors are not worth quantizing.
 MIN_QUANTIZED_NUMEL = 4096
 
 BUFFER_KEY = "momentum_buffer"
 CODES_KEY = "momentum_codes"
-SCALES_KEY = "momentum_scales"
-STATE_KEYS = (BUFFER_KEY, CODES_KEY, SCALES_KEY)
+SCALES_KEY = "momentum_scales"  # fp32 scales of int8 / fp8 (and of the legacy int4 format)
+INT4_SCALES_KEY = "momentum_scales_bf16"  # bf16 absmax of each int4 block
+STATE_KEYS = (BUFFER_KEY, CODES_KEY, SCALES_KEY, INT4_SCALES_KEY)
+# The int4 format of earlier versions (Lloyd-Max map, fp32 RMS scales under SCALES_KEY): still
+# read by load_state_dict (converted to the current format), never written.
+LEGACY_INT4 = "int4-lloyd-max"
 
-# int4: the 16 reconstruction levels of the Lloyd-Max (minimum mean-squared error) quantizer for
-# a unit Gaussian (J. Max, 1960), symmetric, divided by the largest so the map spans [-1, 1] as
-# torchao's code maps do. A block's scale is its RMS times INT4_LEVEL_MAX, so a code ``c``
-# decodes to ``INT4_LEVELS[c] * scale`` (torchao's ``dequant_with_qmap``). An all-zero block
-# has scale 0 and decodes to exact zeros. Relative RMS error: 9.5% on Gaussian blocks (the best
-# any 16-level scalar quantizer can do there; torchao's 4-bit dynamic-tree map: 15%).
+# int4: code ``c`` decodes to ``INT4_LEVELS[c] * absmax`` = ``(c - 7.5) / 8 * absmax``, the
+# centre of cell ``c`` of 16 equal cells spanning [-absmax, absmax] (a uniform mid-rise map; no
+# level is 0 or +-absmax). ``absmax`` is the block's largest magnitude rounded up to bf16. An
+# all-zero block has absmax 0 and decodes to exact zeros.
+INT4_LEVELS = tuple((2 * c - 15) / 16 for c in range(16))
+# The legacy int4 format's map (read only): the 16 levels of the Lloyd-Max quantizer for a unit
+# Gaussian (J. Max, 1960) over INT4_LEVEL_MAX; its fp32 scale was the block RMS * INT4_LEVEL_MAX.
 INT4_LEVEL_MAX = 2.7326
 _LLOYD_MAX_16 = (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326)
-INT4_LEVELS = tuple(
+LEGACY_INT4_LEVELS = tuple(
     [-v / INT4_LEVEL_MAX for v in reversed(_LLOYD_MAX_16)]
     + [v / INT4_LEVEL_MAX for v in _LLOYD_MAX_16]
 )
@@ -126,11 +148,15 @@ class StateFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.kind in QUANTIZED_DTYPES
+        return self.kind in QUANTIZED_DTYPES or self.kind == LEGACY_INT4
+
+    @property
+    def scales_key(self) -> str:
+        return INT4_SCALES_KEY if self.kind == "int4" else SCALES_KEY
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return (CODES_KEY, SCALES_KEY) if self.quantized else (BUFFER_KEY,)
+        return (CODES_KEY, self.scales_key) if self.quantized else (BUFFER_KEY,)
 
     def layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each state tensor for a parameter (or shard) of ``shape``."""
@@ -138,10 +164,11 @@ class StateFormat:
             return {BUFFER_KEY: (shape, torch.bfloat16)}
         *lead, cols = shape
         codes_dtype = torch.float8_e4m3fn if self.kind == "fp8" else torch.uint8
-        codes_cols = cols // 2 if self.kind == "int4" else cols
+        codes_cols = cols // 2 if self.kind in ("int4", LEGACY_INT4) else cols
+        scales_dtype = torch.bfloat16 if self.kind == "int4" else torch.float32
         return {
             CODES_KEY: ((*lead, codes_cols), codes_dtype),
-            SCALES_KEY: ((*lead, cols // self.block_size), torch.float32),
+            self.scales_key: ((*lead, cols // self.block_size), scales_dtype),
         }
 
     def zeros(self, p: Tensor) -> dict[str, Tensor]:
@@ -160,13 +187,15 @@ class StateFormat:
     def view(self, state: dict[str, Tensor]) -> Tensor | Int4State:
         """The local state as a torchao optimizer-state tensor, or an :class:`Int4State` (1-D,
         sharing storage)."""
-        codes, scales = state[CODES_KEY].view(-1), state[SCALES_KEY].view(-1)
+        codes, scales = state[CODES_KEY].view(-1), state[self.scales_key].view(-1)
         if self.kind == "int8":
             from torchao.optim.subclass_8bit import OptimState8bit
 
             return OptimState8bit(codes, scales, qmap(self.kind, codes.device), True)
         if self.kind == "int4":
-            return Int4State(codes, scales, qmap(self.kind, codes.device))
+            return Int4State(codes, scales)
+        if self.kind == LEGACY_INT4:
+            return LegacyInt4State(codes, scales, qmap(self.kind, codes.device))
         from torchao.optim.subclass_fp8 import OptimStateFp8
 
         return OptimStateFp8(codes, scales)
@@ -181,6 +210,8 @@ class StateFormat:
 
     def write(self, state: dict[str, Tensor], dense: Tensor) -> None:
         """Store ``dense`` (fp32, local parameter shape) into the local state."""
+        if self.kind == LEGACY_INT4:
+            raise ValueError(f"the {LEGACY_INT4} int4 format is read only (checkpoints)")
         if not self.quantized:
             state[BUFFER_KEY].copy_(dense)
         elif dense.numel():
@@ -202,6 +233,8 @@ class StateFormat:
         """
         if grad.numel() == 0:
             return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        if self.kind == LEGACY_INT4:
+            raise ValueError(f"the {LEGACY_INT4} int4 format is read only (checkpoints)")
         if self.kind == "int4":
             fn, held = int4_update, tuple(self.view(state))
         elif self.quantized:
@@ -221,14 +254,14 @@ class StateFormat:
 
 
 class Int4State(tuple):
-    """Packed 4-bit codes, one fp32 scale a block, and the code map (all 1-D, shared storage).
+    """Packed 4-bit codes and one bf16 absmax a block (both 1-D, shared storage).
 
-    ``read`` / ``dequantize`` and ``copy_`` mirror torchao's optimizer-state tensors, so
+    ``dequantize`` and ``copy_`` mirror torchao's optimizer-state tensors, so
     :class:`StateFormat` treats every quantized kind alike.
     """
 
-    def __new__(cls, codes: Tensor, scales: Tensor, qmap: Tensor) -> Int4State:
-        return super().__new__(cls, (codes, scales, qmap))
+    def __new__(cls, codes: Tensor, scales: Tensor) -> Int4State:
+        return super().__new__(cls, (codes, scales))
 
     def dequantize(self) -> Tensor:
         return int4_dequantize(*self)
@@ -236,6 +269,18 @@ class Int4State(tuple):
     def copy_(self, x: Tensor) -> Int4State:
         int4_quantize_(*self, x)
         return self
+
+
+class LegacyInt4State(tuple):
+    """The legacy int4 format (read only): packed codes, fp32 scales, the Lloyd-Max map."""
+
+    def __new__(cls, codes: Tensor, scales: Tensor, qmap: Tensor) -> LegacyInt4State:
+        return super().__new__(cls, (codes, scales, qmap))
+
+    def dequantize(self) -> Tensor:
+        codes, scales, qmap = self  # qmap[code] * scale, as torchao's dequant_with_qmap
+        values = qmap[unpack_int4(codes).long()].view(scales.numel(), -1)
+        return (values * scales.view(-1, 1)).view(-1)
 
 
 def quantized_update(state: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -254,38 +299,42 @@ def dense_update(state: Tensor, grad: Tensor, momentum: float, nesterov: bool) -
     return g.lerp(buf, momentum) if nesterov else buf
 
 
-def int4_dequantize(codes: Tensor, scales: Tensor, qmap: Tensor) -> Tensor:
-    """fp32 values (1-D) of packed int4 codes: ``qmap[code] * scale`` (torchao's dequant)."""
-    from torchao.optim.quant_utils import dequant_with_qmap
-
-    unpacked = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
-    return dequant_with_qmap(unpacked, qmap, scales)
+def unpack_int4(codes: Tensor) -> Tensor:
+    """The 4-bit codes (uint8, 1-D, twice as long) of packed bytes, high nibble first."""
+    return torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)
 
 
-def int4_quantize_(codes: Tensor, scales: Tensor, qmap: Tensor, x: Tensor) -> None:
-    """Store ``x`` (fp32, 1-D) into packed int4 ``codes`` and per-block ``scales``, in place.
+def int4_dequantize(codes: Tensor, scales: Tensor) -> Tensor:
+    """fp32 values (1-D) of packed int4 codes: ``INT4_LEVELS[code] * absmax``."""
+    centred = unpack_int4(codes).float().sub_(7.5).view(scales.numel(), -1)
+    return centred.mul_(scales.float().mul(0.125).unsqueeze(-1)).view(-1)
 
-    The scale of a block is its RMS times :data:`INT4_LEVEL_MAX`; each element gets the code of
-    the nearest level (torchao's ``quantize_4bit_with_qmap``), and values beyond the outermost
-    level (2.73 RMS) clip to it.
+
+def int4_quantize_(codes: Tensor, scales: Tensor, x: Tensor) -> None:
+    """Store ``x`` (fp32, 1-D) into packed int4 ``codes`` and per-block bf16 ``scales``.
+
+    A block's scale is its absmax rounded up to bf16 (the smallest bf16 >= absmax); each element
+    gets the code of its cell, ``floor(8 * x / scale) + 8`` clamped to [0, 15], i.e. the nearest
+    level of :data:`INT4_LEVELS` times the scale (elements beyond ``15/16 * scale`` take the
+    outermost). The rounding is done on the fp32 bits, so compiled code (where inductor may drop
+    an fp32 -> bf16 -> fp32 round trip) quantizes exactly like eager.
     """
-    from torchao.optim.quant_utils import quantize_4bit_with_qmap
-
     blocks = x.view(scales.numel(), -1)
-    scale = blocks.square().mean(-1).sqrt() * INT4_LEVEL_MAX
-    normalized = blocks / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    q = quantize_4bit_with_qmap(normalized.view(-1), qmap)
+    absmax = blocks.abs().amax(-1)
+    scale = ((absmax.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)
+    inv = scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    q = blocks.div(inv).mul_(8.0).floor_().add_(8.0).clamp_(0.0, 15.0).to(torch.uint8).view(-1)
     codes.copy_((q[::2] << 4) | q[1::2])
-    scales.copy_(scale)
+    scales.copy_(scale)  # exact: scale is a bf16 value
 
 
 def int4_update(
-    codes: Tensor, scales: Tensor, qmap: Tensor, grad: Tensor, momentum: float, nesterov: bool
+    codes: Tensor, scales: Tensor, grad: Tensor, momentum: float, nesterov: bool
 ) -> Tensor:
     """Momentum step on int4 state (dequantize, update in fp32, requantize in place)."""
     g = grad.float()
-    buf = int4_dequantize(codes, scales, qmap).lerp_(g, 1.0 - momentum)
-    int4_quantize_(codes, scales, qmap, buf)
+    buf = int4_dequantize(codes, scales).lerp_(g, 1.0 - momentum)
+    int4_quantize_(codes, scales, buf)
     return g.lerp(buf, momentum) if nesterov else buf
 
 
@@ -299,8 +348,8 @@ def compiled_update(fn):
 
 @functools.cache
 def _qmap_cpu(kind: str) -> Tensor:
-    if kind == "int4":
-        return torch.tensor(INT4_LEVELS, dtype=torch.float32)
+    if kind == LEGACY_INT4:
+        return torch.tensor(LEGACY_INT4_LEVELS, dtype=torch.float32)
     # torchao builds its signed 8-bit code map in zeros(); reuse it rather than restating it.
     from torchao.optim.subclass_8bit import OptimState8bit
 
@@ -312,7 +361,7 @@ _QMAPS: dict[tuple[str, torch.device], Tensor] = {}
 
 def qmap(kind: str, device: torch.device) -> Tensor:
     """The code map for ``kind``: torchao's signed dynamic-tree map for "int8",
-    :data:`INT4_LEVELS` for "int4"; one copy per device."""
+    :data:`LEGACY_INT4_LEVELS` for the legacy int4 format; one copy per device."""
     key = (kind, device)
     if key not in _QMAPS:
         _QMAPS[key] = _qmap_cpu(kind).to(device)
@@ -351,18 +400,24 @@ def choose_format(p: Tensor, state_dtype: str, block_size: int) -> tuple[StateFo
 
 def detect_format(p: Tensor, saved: dict[str, Tensor]) -> StateFormat | None:
     """The format of saved momentum entries for ``p`` (None: a dense buffer of any dtype)."""
-    if CODES_KEY in saved and SCALES_KEY in saved:
-        codes, scales = saved[CODES_KEY], saved[SCALES_KEY]
+    scales_key = next((k for k in (INT4_SCALES_KEY, SCALES_KEY) if k in saved), None)
+    if CODES_KEY in saved and scales_key is not None:
+        codes, scales = saved[CODES_KEY], saved[scales_key]
         shape, cols = tuple(p.shape), p.shape[-1]
         blocks = scales.shape[-1] if scales.ndim else 0
         if blocks and cols % blocks == 0 and tuple(scales.shape[:-1]) == shape[:-1]:
             block_size = cols // blocks
-            if codes.dtype == torch.float8_e4m3fn and tuple(codes.shape) == shape:
+            packed = codes.dtype == torch.uint8 and tuple(codes.shape) == (*shape[:-1], cols // 2)
+            if scales_key == INT4_SCALES_KEY:
+                if packed and scales.dtype == torch.bfloat16:
+                    return StateFormat("int4", block_size)
+            elif codes.dtype == torch.float8_e4m3fn and tuple(codes.shape) == shape:
                 return StateFormat("fp8", block_size)
-            if codes.dtype == torch.uint8 and tuple(codes.shape) == shape:
+            elif codes.dtype == torch.uint8 and tuple(codes.shape) == shape:
                 return StateFormat("int8", block_size)
-            if codes.dtype == torch.uint8 and tuple(codes.shape) == (*shape[:-1], cols // 2):
-                return StateFormat("int4", block_size)
+            elif packed:
+                # int4 saved by an earlier version (Lloyd-Max map, fp32 RMS scales).
+                return StateFormat(LEGACY_INT4, block_size)
         raise ValueError(
             f"cannot read saved momentum for a parameter of shape {shape}: codes "
             f"{tuple(codes.shape)} {codes.dtype}, scales {tuple(scales.shape)} {scales.dtype}"
