@@ -28,6 +28,11 @@ Uses CUDA when available. ``--quick`` is a shorter, smaller run (the CPU default
     python scripts/bench_lp.py --quick         # CPU: well under 3 minutes on 2 cores
     python scripts/bench_lp.py --compile --results RESULTS.md   # adds compile time
     python scripts/bench_lp.py --quick --dtypes int4,int4/64 --seeds 3 --tasks mlp
+    python scripts/bench_lp.py --tasks mlp --mlp-dim 256 --mlp-hidden 1024 --mlp-depth 6 \\
+        --mlp-batch 512 --steps 400 --seeds 2   # CPU proxy of the H200 mlp run (~25 min)
+
+``--mlp-dim``, ``--mlp-hidden``, ``--mlp-depth``, ``--mlp-batch``, ``--mlp-d-in`` override the
+preset's ``mlp`` sizes (``--mlp-d-in`` sets the input and output width).
 
 Eager ``MuonLP`` requantizes with torchao's ops one parameter at a time (tens of small
 kernels each); ``--compile`` (``compile=True``) fuses them, which is how to use it for speed.
@@ -277,6 +282,16 @@ def main() -> None:
         "--seeds", type=int, default=1, help="data seeds per row; final losses are averaged"
     )
     parser.add_argument("--lr", type=float, default=0.02)
+    for opt, what in [
+        ("dim", "width"),
+        ("hidden", "hidden width"),
+        ("depth", "number of blocks"),
+        ("batch", "batch size"),
+        ("d-in", "input and output width"),
+    ]:
+        parser.add_argument(
+            f"--mlp-{opt}", type=int, default=None, help=f"mlp task: {what} (default: preset)"
+        )
     parser.add_argument(
         "--results", default=None, help="write the MuonLP section of this markdown file"
     )
@@ -296,6 +311,11 @@ def main() -> None:
         args.lm_dim, args.lm_depth, args.lm_heads, args.lm_seq = 512, 4, 8, 256
         args.lm_batch, args.lm_eval_batch, args.lm_bytes = 64, 256, 8_000_000
         args.steps = args.steps or 400
+    for name in ("dim", "hidden", "depth", "batch"):
+        if getattr(args, f"mlp_{name}") is not None:
+            setattr(args, name, getattr(args, f"mlp_{name}"))
+    if args.mlp_d_in is not None:
+        args.d_in = args.d_out = args.mlp_d_in
     args.warmup = max(1, args.steps // 20)
     tasks = args.tasks.split(",")
     if not tasks or any(t not in ("mlp", "lm") for t in tasks):
