@@ -186,8 +186,8 @@ def uses_q_form(X: Tensor) -> bool:
 
 
 def uses_half_q_form(X: Tensor) -> bool:
-    """Whether :func:`iterate` runs the Q-form in fp16 on cuBLAS (CUDA, no Triton kernel)."""
-    return X.is_cuda and not uses_q_form(X)
+    """Whether :func:`iterate`, where the kernel does not run, uses the fp16 cuBLAS Q-form."""
+    return X.is_cuda
 
 
 def iterate(
@@ -295,9 +295,10 @@ GRAM_MIN_ASPECT = 2.0
 def use_gram_iteration(X: Tensor) -> bool:
     """Whether the wide batch ``X`` (``..., m, n``, ``m <= n``) is iterated in Gram space.
 
-    Only where the Triton kernel runs the ``m x m`` products (it forms ``a I + b R + c R^2``
-    in fp32 before its single rounding, which the first, nearly cancelling polynomial needs)
-    and ``n >= GRAM_MIN_ASPECT * m``; never with ``MUON_PLUGIN_DISABLE_GRAM=1``.
+    On CUDA where ``n >= GRAM_MIN_ASPECT * m``; never with ``MUON_PLUGIN_DISABLE_GRAM=1``.
+    The ``m x m`` products run in the Triton kernel where it handles them (``a I + b R + c R^2``
+    summed in fp32, one rounding), else as fp16 cuBLAS products; either way the result is
+    closer to the fp64 loop than the bf16 plain loop (tests). Not on the CPU (no fast fp16).
     """
     if os.environ.get("MUON_PLUGIN_DISABLE_GRAM", "0") == "1":
         return False

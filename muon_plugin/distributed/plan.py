@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,8 +176,9 @@ class OrthogonalizationPlan:
         # Per group (by id): how its stack is orthogonalized (eagerly or via a CUDA graph).
         self._stack_runners: dict[int, Callable[..., Tensor]] = {}
         # Per device: the side streams on which the graphs of groups without return traffic
-        # run concurrently, and how many groups have been given one (they take turns).
-        self._side_streams: dict[torch.device, tuple[list[torch.cuda.Stream], list[int]]] = {}
+        # run concurrently (groups take them in turn).
+        self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+        self._side_turns: Counter[torch.device] = Counter()
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
@@ -191,7 +192,6 @@ class OrthogonalizationPlan:
         gathers: list[_InFlight | None] = [None] * len(groups)
         backs: list[tuple[_InFlight | None, Any]] = []
         launched = 0
-        concurrent: list[torch.cuda.Stream] = []  # the side stream of each graphed group
         for gi, group in enumerate(groups):
             # Keep the gathers of the next `prefetch` groups in flight while this one computes.
             while launched < len(groups) and launched <= gi + self.prefetch:
@@ -199,10 +199,11 @@ class OrthogonalizationPlan:
                 launched += 1
             stack = self._finish_gather(group, directions, gathers[gi])
             gathers[gi] = None
-            result = self._orthogonalize(group, stack, concurrent)
+            result = self._orthogonalize(group, stack)
             backs.append((self._launch_back(group, result, stats), result))
-        for stream in set(concurrent):
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        for streams in self._side_streams.values():  # the graphs' results are read below
+            for stream in streams:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
         for group, (back, result) in zip(groups, backs, strict=True):
             self._finish_back(group, directions, back, result, out)
         self.last_stats = stats
@@ -276,12 +277,8 @@ class OrthogonalizationPlan:
         self,
         group: ShapeGroup,
         stack: Tensor | list[Tensor] | None,
-        concurrent: list[torch.cuda.Stream],
     ) -> Tensor | list[Tensor] | None:
-        """The orthogonalized slots: one stacked tensor (``batched``) or one tensor per slot.
-
-        Side streams a group's CUDA graph replays on are appended to ``concurrent``.
-        """
+        """The orthogonalized slots: one stacked tensor (``batched``) or one tensor per slot."""
         if stack is None:
             return None
         if self.batched:
@@ -292,7 +289,7 @@ class OrthogonalizationPlan:
             foreach_update = device.type != "cuda" or not triton_kernels_enabled()
             small = not group.back_comm and math.prod(group.shape) < FUSED_MIN_NUMEL
             out_dtype = group.dtype if foreach_update and small else None
-            return self._stack_runner(group, device, len(stack), out_dtype, concurrent)(stack)
+            return self._stack_runner(group, device, len(stack), out_dtype)(stack)
         if isinstance(stack, Tensor):
             return [orthogonalize_stack(stack[s : s + 1], group.spec)[0] for s in range(len(stack))]
         return [orthogonalize_stack([x], group.spec)[0] for x in stack]
@@ -303,14 +300,12 @@ class OrthogonalizationPlan:
         device: torch.device,
         size: int,
         out_dtype: torch.dtype | None,
-        concurrent: list[torch.cuda.Stream],
     ) -> Callable[[Tensor | list[Tensor]], Tensor]:
         """The group's batched orthogonalization: eager, or a CUDA graph for small stacks.
 
         A graphed group whose results stay on this rank gets a side stream of its own (taken
         in turn, at most ``MAX_CONCURRENT_GROUPS`` per device), so small groups overlap on the
-        GPU; its stream is appended to ``concurrent``, which ``run`` joins before the results
-        are read.
+        GPU; ``run`` joins every side stream before the results are read.
         """
         runner = self._stack_runners.get(id(group))
         if runner is None:
@@ -318,19 +313,17 @@ class OrthogonalizationPlan:
                 name = f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)"
                 stream = None
                 if not group.back_comm:
-                    streams, turns = self._side_streams.setdefault(device, ([], [0]))
+                    streams = self._side_streams.setdefault(device, [])
                     if len(streams) < MAX_CONCURRENT_GROUPS:
                         streams.append(torch.cuda.Stream(device))
-                    stream = streams[turns[0] % len(streams)]
-                    turns[0] += 1
+                    stream = streams[self._side_turns[device] % len(streams)]
+                    self._side_turns[device] += 1
                 runner = GraphedOrthogonalization(group.spec, out_dtype, name, stream)
             else:
                 runner = functools.partial(
                     orthogonalize_stack, spec=group.spec, out_dtype=out_dtype
                 )
             self._stack_runners[id(group)] = runner
-        if isinstance(runner, GraphedOrthogonalization) and runner.stream is not None:
-            concurrent.append(runner.stream)
         return runner
 
     def _launch_back(self, group: ShapeGroup, result: Any, stats: dict) -> _InFlight | None:
