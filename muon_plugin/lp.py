@@ -35,12 +35,12 @@ class MuonLP(MuonForeach):
     Args:
         state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. int8 and
             fp8 use torchao's low-bit optimizer-state tensor types
-            (``pip install 'muon_plugin[lp]'``); int4 (a uniform mid-rise 16-level map with a
-            bf16 absmax per block, see :mod:`muon_plugin.lp_state`) and ``"bf16"`` need no
-            torchao.
+            (``pip install 'muon_plugin[lp]'``); int4 (a uniform mid-rise 16-level map, an
+            8-bit log-scale code per block relative to a bf16 base per 16 blocks, see
+            :mod:`muon_plugin.lp_state`) and ``"bf16"`` need no torchao.
         block_size: elements per quantization scale (default: 256 for int8 / fp8, torchao's,
-            and 32 for int4). Blocks run along the last dim and never cross a row; ignored for
-            bf16.
+            and 16 for int4). Blocks (and int4's super-blocks of 16 blocks) run along the last
+            dim and never cross a row; ignored for bf16.
 
     Each step, per Muon parameter: dequantize the local momentum to fp32, apply Muon's momentum
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
@@ -51,23 +51,25 @@ class MuonLP(MuonForeach):
     torchao's ops as tens of small kernels per parameter.
 
     Memory per Muon parameter element: int8 / fp8 1 byte + 4 bytes per block (1.016 at 256),
-    int4 0.5 + 2/32 = 0.5625, bf16 2 (fp32 Muon momentum: 4).
+    int4 0.5 + 1/16 + 2/256 = 0.5703 at block 16, bf16 2 (fp32 Muon momentum: 4).
 
     Fallback: a parameter that cannot be blocked (fewer than 4096 elements, last dim not a
-    multiple of ``block_size``, or last-dim sharding that would split a block) keeps bf16
-    momentum; the optimizer logs one warning listing them.
+    multiple of ``block_size``, for int4 of ``16 * block_size`` = 256 by default, or last-dim
+    sharding that would split a block or int4 super-block) keeps bf16 momentum; the optimizer
+    logs one warning listing them.
 
-    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales``, or
-    ``momentum_scales_bf16`` for int4, or a bf16 ``momentum_buffer``), DTensors laid out like
-    their parameter, so ``state_dict()`` and DCP
-    (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as for
-    any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading dims)
-    moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved in
-    another format (another ``state_dtype`` or block size, the fp32 ``momentum_buffer`` of
-    ``Muon`` / ``MuonForeach``, or the int4 format of earlier versions, Lloyd-Max codes with
-    fp32 ``momentum_scales``) by dequantizing and requantizing it. Through DCP the checkpoint
+    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales`` for int8 /
+    fp8; ``momentum_codes`` + ``momentum_scale_codes`` + ``momentum_scale_bases`` for int4; or a
+    bf16 ``momentum_buffer``), DTensors laid out like their parameter, so ``state_dict()`` and
+    DCP (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as
+    for any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading
+    dims) moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved
+    in another format (another ``state_dtype`` or block size, the fp32 ``momentum_buffer`` of
+    ``Muon`` / ``MuonForeach``, or the int4 formats of earlier versions: Lloyd-Max codes with
+    fp32 ``momentum_scales``, or mid-rise codes with a bf16 absmax a block,
+    ``momentum_scales_bf16``) by dequantizing and requantizing it. Through DCP the checkpoint
     must hold the same format, since DCP loads into this optimizer's own state tensors (an
-    earlier int4 checkpoint fails there with a missing ``momentum_scales_bf16`` key: load it
+    earlier int4 checkpoint fails there with a missing ``momentum_scale_codes`` key: load it
     with ``load_state_dict`` instead).
 
     AdamW / Adam groups keep full-precision state (fp32 ``exp_avg`` / ``exp_avg_sq`` and torch's
