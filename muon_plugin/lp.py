@@ -35,7 +35,9 @@ class MuonLP(MuonForeach):
     Args:
         state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. int8 and
             fp8 use torchao's low-bit optimizer-state tensor types
-            (``pip install 'muon_plugin[lp]'``); int4 (a uniform mid-rise 16-level map, an
+            (``pip install 'muon_plugin[lp]'``); fp8 also keeps a bf16 rank-1 part ``u w^T``
+            of each matrix's momentum (:mod:`muon_plugin.lp_rank1`), so its codes store only
+            the smaller residual; int4 (a uniform mid-rise 16-level map, an
             8-bit log-scale code per block relative to a bf16 base per 16 blocks, see
             :mod:`muon_plugin.lp_state`) and ``"bf16"`` need no torchao.
         block_size: elements per quantization scale (default: 256 for int8 / fp8, torchao's,
@@ -46,30 +48,37 @@ class MuonLP(MuonForeach):
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
     place, and hand the fp32 direction to the same orthogonalization plan as ``MuonForeach``.
     The first step is therefore identical to fp32-state Muon; later steps differ only through
-    the quantization error of the stored momentum. ``compile=True`` also compiles this update
-    (one fused graph per parameter size); use it for speed, since eager requantization runs
-    torchao's ops as tens of small kernels per parameter.
+    the quantization error of the stored momentum. fp8 adds one power-iteration step per
+    matrix and step for its rank-1 part (two matrix-vector products; on a sharded parameter
+    two small all-reduces over the mesh dims that shard it). ``compile=True`` also compiles
+    this update (one fused graph per parameter size, two for fp8, whose power step runs
+    between them); use it for speed, since eager requantization runs torchao's ops as tens of
+    small kernels per parameter.
 
-    Memory per Muon parameter element: int8 / fp8 1 byte + 4 bytes per block (1.016 at 256),
-    int4 0.5 + 1/16 + 2/256 = 0.5703 at block 16, bf16 2 (fp32 Muon momentum: 4).
+    Memory per Muon parameter element: int8 1 byte + 4 bytes per block (1.016 at 256), fp8 the
+    same plus 2 bytes per row and per column (1.018 for 1024 x 4096), int4 0.5 + 1/16 + 2/256 =
+    0.5703 at block 16, bf16 2 (fp32 Muon momentum: 4).
 
     Fallback: a parameter that cannot be blocked (fewer than 4096 elements, last dim not a
     multiple of ``block_size``, for int4 of ``16 * block_size`` = 256 by default, or last-dim
     sharding that would split a block or int4 super-block) keeps bf16 momentum; the optimizer
     logs one warning listing them.
 
-    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales`` for int8 /
-    fp8; ``momentum_codes`` + ``momentum_scale_codes`` + ``momentum_scale_bases`` for int4; or a
-    bf16 ``momentum_buffer``), DTensors laid out like their parameter, so ``state_dict()`` and
+    Checkpoints: the state is plain tensors (``momentum_codes`` + ``momentum_scales`` for int8,
+    the same plus ``momentum_rank1_u`` / ``momentum_rank1_w`` for fp8 (laid out along the
+    parameter's rows / columns); ``momentum_codes`` + ``momentum_scale_codes`` +
+    ``momentum_scale_bases`` for int4; or a bf16 ``momentum_buffer``), DTensors laid out like
+    their parameter, so ``state_dict()`` and
     DCP (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as
     for any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading
     dims) moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved
     in another format (another ``state_dtype`` or block size, the fp32 ``momentum_buffer`` of
-    ``Muon`` / ``MuonForeach``, or the int4 formats of earlier versions: Lloyd-Max codes with
+    ``Muon`` / ``MuonForeach``, the int4 formats of earlier versions: Lloyd-Max codes with
     fp32 ``momentum_scales``, or mid-rise codes with a bf16 absmax a block,
-    ``momentum_scales_bf16``) by dequantizing and requantizing it. Through DCP the checkpoint
-    must hold the same format, since DCP loads into this optimizer's own state tensors (an
-    earlier int4 checkpoint fails there with a missing ``momentum_scale_codes`` key: load it
+    ``momentum_scales_bf16``, or the fp8 format of earlier versions, without the rank-1 part)
+    by dequantizing and requantizing it. Through DCP the checkpoint must hold the same format,
+    since DCP loads into this optimizer's own state tensors (an earlier int4 or fp8 checkpoint
+    fails there with a missing ``momentum_scale_codes`` / ``momentum_rank1_u`` key: load it
     with ``load_state_dict`` instead).
 
     AdamW / Adam groups keep full-precision state (fp32 ``exp_avg`` / ``exp_avg_sq`` and torch's
@@ -148,6 +157,7 @@ class MuonLP(MuonForeach):
                     group["momentum"],
                     group["nesterov"],
                     compiled=group["compile"],
+                    param=p,
                 )
             )
         return directions

@@ -5,7 +5,10 @@ A parameter's momentum is stored in one of these formats (:class:`StateFormat`):
 - ``bf16``: ``momentum_buffer``, a bf16 tensor shaped like the parameter.
 - ``int8`` / ``fp8``: ``momentum_codes`` (uint8 / float8_e4m3fn, shaped like the parameter) and
   ``momentum_scales`` (fp32, one a block: shape ``(*param.shape[:-1], param.shape[-1] //
-  block_size)``).
+  block_size)``). fp8 also stores a rank-1 part of the momentum, ``u w^T``:
+  ``momentum_rank1_u`` (bf16, ``(*param.shape[:-2], rows)``) and ``momentum_rank1_w`` (bf16,
+  ``(*param.shape[:-2], cols)``); its codes hold ``momentum - u w^T`` (see below and
+  :mod:`muon_plugin.lp_rank1`).
 - ``int4``: ``momentum_codes`` (uint8, two 4-bit codes a byte, high nibble first: shape
   ``(*param.shape[:-1], param.shape[-1] // 2)``), ``momentum_scale_codes`` (uint8, one a block,
   shape as for ``momentum_scales``) and ``momentum_scale_bases`` (bf16, one a super-block of 16
@@ -14,7 +17,8 @@ A parameter's momentum is stored in one of these formats (:class:`StateFormat`):
 
 Quantization blocks are ``block_size`` consecutive elements of one row (along the last dim), and
 int4's super-blocks 16 consecutive blocks of one row; neither ever crosses a row. The state
-tensors are plain tensors, or DTensors with exactly the parameter's mesh and placements, so:
+tensors are plain tensors, or DTensors with exactly the parameter's mesh and placements (fp8's
+``u`` and ``w``: the parameter's mesh, sharded like its rows and columns respectively), so:
 
 - the optimizer state is plain tensors: ``state_dict()``, ``torch.save``, ``copy.deepcopy`` and
   ``torch.distributed.checkpoint`` (DCP) handle it like any other optimizer state;
@@ -30,6 +34,16 @@ dequantizes with their ``dequantize()``, updates the momentum in fp32 and requan
 with their ``copy_``: blockwise absmax scaling, the signed dynamic-tree map for int8, e4m3 for
 fp8). int4 is plain torch arithmetic, not torchao's ``OptimState4bit``. torchao is imported only
 for int8 and fp8 (the ``lp`` extra).
+
+The fp8 format. e4m3 keeps 3 mantissa bits, so an element's rounding error is proportional to the
+element, and the plain format (torchao's, e4m3 codes with an fp32 absmax / 448 per block of 256)
+missed the 2% target on the H200 ``mlp`` task: +2.24% and +2.44% on data seeds 0-1 and 2-3.
+Muon momentum is dominated by a few directions, so fp8 now stores ``u w^T`` in bf16 (one vector
+pair a matrix, found by one warm-started power-iteration step a step) and the fp8 codes only the
+residual, whose elements are smaller. Exact H200 simulations of the same task (docs/performance.md):
+rank 1 +1.17%, rank 2 +1.04%, rank 4 +1.35%, rank 8 +0.98% / +1.66% (seeds 0-1 / 2-3), so rank 1,
+the one that needs no orthogonalization of the factors. It costs 2 bytes per row and per column
+and, for a sharded parameter, two small all-reduces per step.
 
 The int4 format. Each super-block (256 elements at the default) stores a ``base``: its absmax
 rounded up to bf16. Each block stores an 8-bit scale code ``k``: its scale is
@@ -94,6 +108,16 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from muon_plugin.lp_rank1 import (
+    FACTOR_KEYS,
+    U_KEY,
+    W_KEY,
+    factor_placements,
+    factor_shapes,
+    outer,
+    power_step,
+)
+
 STATE_DTYPES = ("bf16", "int8", "int4", "fp8")
 QUANTIZED_DTYPES = ("int8", "int4", "fp8")
 # torchao's own defaults for its low-bit Adam optimizers (int8, fp8); int4 measured (above).
@@ -107,7 +131,16 @@ SCALES_KEY = "momentum_scales"  # fp32, one a block: int8, fp8 (and the Lloyd-Ma
 SCALE_CODES_KEY = "momentum_scale_codes"  # int4: uint8 scale code of each block
 BASES_KEY = "momentum_scale_bases"  # int4: bf16 base of each super-block
 ABSMAX_KEY = "momentum_scales_bf16"  # the previous int4 format: bf16 absmax of each block
-STATE_KEYS = (BUFFER_KEY, CODES_KEY, SCALES_KEY, SCALE_CODES_KEY, BASES_KEY, ABSMAX_KEY)
+# fp8 also stores the rank-1 factors U_KEY, W_KEY (muon_plugin.lp_rank1).
+STATE_KEYS = (
+    BUFFER_KEY,
+    CODES_KEY,
+    SCALES_KEY,
+    SCALE_CODES_KEY,
+    BASES_KEY,
+    ABSMAX_KEY,
+    *FACTOR_KEYS,
+)
 
 # The int4 formats of earlier versions: still read by load_state_dict (converted to the current
 # format), never written.
@@ -115,13 +148,16 @@ STATE_KEYS = (BUFFER_KEY, CODES_KEY, SCALES_KEY, SCALE_CODES_KEY, BASES_KEY, ABS
 LLOYD_MAX_INT4 = "int4-lloyd-max"
 # - the mid-rise map below with a bf16 absmax (rounded up) a block under ABSMAX_KEY:
 ABSMAX_INT4 = "int4-bf16-absmax"
+# The fp8 format of earlier versions (e4m3 codes and fp32 scales, no rank-1 part): read only.
+PLAIN_FP8 = "fp8-plain"
 
 # The state tensors of each format; a quantized format's second key holds one entry a block.
 FORMAT_KEYS = {
     "bf16": (BUFFER_KEY,),
     "int8": (CODES_KEY, SCALES_KEY),
-    "fp8": (CODES_KEY, SCALES_KEY),
+    "fp8": (CODES_KEY, SCALES_KEY, U_KEY, W_KEY),
     "int4": (CODES_KEY, SCALE_CODES_KEY, BASES_KEY),
+    PLAIN_FP8: (CODES_KEY, SCALES_KEY),
     ABSMAX_INT4: (CODES_KEY, ABSMAX_KEY),
     LLOYD_MAX_INT4: (CODES_KEY, SCALES_KEY),
 }
@@ -238,18 +274,25 @@ class StateFormat:
             return {CODES_KEY: packed, ABSMAX_KEY: (blocks, torch.bfloat16)}
         if self.kind == LLOYD_MAX_INT4:
             return {CODES_KEY: packed, SCALES_KEY: (blocks, torch.float32)}
-        codes_dtype = torch.float8_e4m3fn if self.kind == "fp8" else torch.uint8
-        return {CODES_KEY: (tuple(shape), codes_dtype), SCALES_KEY: (blocks, torch.float32)}
+        if self.kind == "int8":
+            return {CODES_KEY: (tuple(shape), torch.uint8), SCALES_KEY: (blocks, torch.float32)}
+        fp8 = {CODES_KEY: (tuple(shape), torch.float8_e4m3fn), SCALES_KEY: (blocks, torch.float32)}
+        if self.kind == PLAIN_FP8:
+            return fp8
+        return {**fp8, **{k: (s, torch.bfloat16) for k, s in factor_shapes(tuple(shape)).items()}}
 
     def zeros(self, p: Tensor) -> dict[str, Tensor]:
-        """Zero momentum for ``p``: plain tensors, or DTensors laid out like ``p``."""
+        """Zero momentum for ``p``: plain tensors, or DTensors laid out like ``p`` (the rank-1
+        factors along its rows and columns). fp8's ``w`` starts at ones: the power iteration's
+        first vector (``u = 0``, so the momentum is zero)."""
         lp = local(p)
         local_layout = self.layout(tuple(lp.shape))
         global_layout = self.layout(tuple(p.shape))
         out = {}
         for key, (shape, dtype) in local_layout.items():
-            t = torch.zeros(shape, dtype=dtype, device=lp.device)
-            out[key] = like_param(p, t, global_layout[key][0])
+            fill = 1.0 if key == W_KEY else 0.0
+            t = torch.full(shape, fill, dtype=dtype, device=lp.device)
+            out[key] = like_param(p, t, global_layout[key][0], key)
         return out
 
     # The methods below take the LOCAL state tensors ({key: local tensor}).
@@ -262,7 +305,7 @@ class StateFormat:
             from torchao.optim.subclass_8bit import OptimState8bit
 
             return OptimState8bit(codes, scales, table("int8", codes.device), True)
-        if self.kind == "fp8":
+        if self.kind in ("fp8", PLAIN_FP8):
             from torchao.optim.subclass_fp8 import OptimStateFp8
 
             return OptimStateFp8(codes, scales)
@@ -283,13 +326,20 @@ class StateFormat:
             dense = lloyd_max_dequantize(codes, scales, table(LLOYD_MAX_INT4, codes.device))
         else:
             dense = self.view(state).dequantize()
+        if self.kind == "fp8":
+            return dense.view(shape) + outer(state[U_KEY], state[W_KEY])
         return dense.view(shape)
 
     def write(self, state: dict[str, Tensor], dense: Tensor) -> None:
-        """Store ``dense`` (fp32, local parameter shape) into the local state."""
+        """Store ``dense`` (fp32, local parameter shape) into the local state (fp8: all of it
+        in the codes, ``u = 0``; the next step's power step finds the rank-1 part)."""
         if not self.quantized:
             state[BUFFER_KEY].copy_(dense)
-        elif dense.numel():
+            return
+        if self.kind == "fp8":
+            state[U_KEY].zero_()
+            state[W_KEY].fill_(1.0)
+        if dense.numel():
             self.view(state).copy_(dense.reshape(-1))
 
     def update(
@@ -299,13 +349,20 @@ class StateFormat:
         momentum: float,
         nesterov: bool,
         compiled: bool = False,
+        param: Tensor | None = None,
     ) -> Tensor:
         """Muon's momentum step on the local state; returns the fp32 direction (grad's shape).
 
         ``buf <- lerp(buf, grad, 1 - momentum)`` in fp32 on the dequantized state, requantized
         in place; the direction is the Nesterov look-ahead ``lerp(grad, buf, momentum)`` or the
         fp32 ``buf`` itself, so quantization error enters only through the stored state.
+        ``param`` (the parameter, a DTensor when sharded) tells fp8's rank-1 power step which
+        dims are sharded; every rank of a sharded parameter must call this (it communicates).
         """
+        if self.kind == "fp8":
+            return fp8_update(
+                state, grad, momentum, nesterov, grad if param is None else param, compiled
+            )
         if grad.numel() == 0:
             return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         if self.kind == "int4":
@@ -314,16 +371,7 @@ class StateFormat:
             fn, held = quantized_update, (self.view(state),)
         else:
             fn, held = dense_update, (state[BUFFER_KEY].view(-1),)
-        if compiled:
-            # One graph per distinct size (static shapes: inductor's CPU codegen can stall on
-            # the symbolic block indexing of dynamic ones); a model has few distinct sizes.
-            from torch._dynamo.utils import disable_cache_limit
-
-            with disable_cache_limit():
-                direction = compiled_update(fn)(*held, grad.reshape(-1), momentum, nesterov)
-        else:
-            direction = fn(*held, grad.reshape(-1), momentum, nesterov)
-        return direction.view(grad.shape)
+        return run(fn, compiled, *held, grad.reshape(-1), momentum, nesterov).view(grad.shape)
 
 
 class Int4State(tuple):
@@ -347,6 +395,18 @@ class Int4State(tuple):
         return self
 
 
+def run(fn, compiled: bool, *args: Any) -> Any:
+    """``fn(*args)``, compiled (:func:`compiled_update`) when ``compiled``."""
+    if not compiled:
+        return fn(*args)
+    # One graph per distinct size (static shapes: inductor's CPU codegen can stall on the
+    # symbolic block indexing of dynamic ones); a model has few distinct sizes.
+    from torch._dynamo.utils import disable_cache_limit
+
+    with disable_cache_limit():
+        return compiled_update(fn)(*args)
+
+
 def quantized_update(state: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
     """Momentum step on a torchao optimizer-state tensor (dequantize, update, requantize)."""
     g = grad.float()
@@ -361,6 +421,54 @@ def dense_update(state: Tensor, grad: Tensor, momentum: float, nesterov: bool) -
     buf = state.float().lerp_(g, 1.0 - momentum)
     state.copy_(buf)
     return g.lerp(buf, momentum) if nesterov else buf
+
+
+# ---------------------------------------------------------------------- fp8
+
+
+def fp8_update(
+    state: dict[str, Tensor],
+    grad: Tensor,
+    momentum: float,
+    nesterov: bool,
+    param: Tensor,
+    compiled: bool,
+) -> Tensor:
+    """Momentum step on fp8 state: ``buf = lerp(codes + u w^T, grad)``, one power step for the
+    new ``u, w`` (:func:`muon_plugin.lp_rank1.power_step`), then the residual
+    ``buf - u w^T`` requantized; returns the direction."""
+    u, w = state[U_KEY], state[W_KEY]
+    if grad.numel() == 0:  # an empty shard still joins the power step's collectives
+        buf = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        for factor, new in zip((u, w), power_step(buf, w, param), strict=True):
+            factor.copy_(new)
+        return buf
+    codes = StateFormat("fp8").view(state)
+    buf = run(fp8_momentum, compiled, codes, u, w, grad, momentum)
+    for factor, new in zip((u, w), power_step(buf, w, param), strict=True):
+        factor.copy_(new)
+    return run(fp8_store, compiled, codes, u, w, buf, grad, momentum, nesterov)
+
+
+def fp8_momentum(codes: Tensor, u: Tensor, w: Tensor, grad: Tensor, momentum: float) -> Tensor:
+    """``lerp(codes + u w^T, grad, 1 - momentum)`` in fp32, grad's shape."""
+    dense = codes.dequantize().view(grad.shape) + outer(u, w)
+    return dense.lerp_(grad.float(), 1.0 - momentum)
+
+
+def fp8_store(
+    codes: Tensor,
+    u: Tensor,
+    w: Tensor,
+    buf: Tensor,
+    grad: Tensor,
+    momentum: float,
+    nesterov: bool,
+) -> Tensor:
+    """Requantize the residual ``buf - u w^T`` (u, w already bf16) into the fp8 codes; return
+    the direction."""
+    codes.copy_((buf - outer(u, w)).view(-1))
+    return grad.float().lerp(buf, momentum) if nesterov else buf
 
 
 # ---------------------------------------------------------------------- int4
@@ -543,7 +651,7 @@ def choose_format(p: Tensor, state_dtype: str, block_size: int) -> tuple[StateFo
 
 
 # Quantized formats a checkpoint may hold, in the order detect_format tries them.
-READABLE_KINDS = ("int4", "int8", "fp8", ABSMAX_INT4, LLOYD_MAX_INT4)
+READABLE_KINDS = ("int4", "int8", "fp8", PLAIN_FP8, ABSMAX_INT4, LLOYD_MAX_INT4)
 
 
 def detect_format(p: Tensor, saved: dict[str, Tensor]) -> StateFormat | None:
@@ -585,7 +693,7 @@ def restore(p: Tensor, saved: dict[str, Tensor], target: StateFormat) -> dict[st
     layout); others (a different dtype or block size, a legacy int4 format, or the fp32
     ``momentum_buffer`` of ``Muon`` / ``MuonForeach``) are dequantized to fp32 and requantized.
     """
-    saved = {k: match_layout(p, v) for k, v in saved.items() if k in STATE_KEYS}
+    saved = {k: match_layout(p, v, k) for k, v in saved.items() if k in STATE_KEYS}
     source = detect_format(p, saved)
     if source == target:
         return {k: saved[k] for k in target.keys}
@@ -602,14 +710,23 @@ def restore(p: Tensor, saved: dict[str, Tensor], target: StateFormat) -> dict[st
 # ---------------------------------------------------------------------- layouts
 
 
-def like_param(p: Tensor, t: Tensor, global_shape: tuple[int, ...]) -> Tensor:
-    """Wrap the local tensor ``t`` as a DTensor laid out like ``p`` (``t`` itself if plain)."""
+def key_placements(p: DTensor, key: str | None) -> tuple:
+    """Placements of state tensor ``key`` of DTensor ``p``: ``p``'s own, except for fp8's
+    rank-1 factors (along its rows and columns, :func:`~muon_plugin.lp_rank1.factor_placements`)."""
+    return factor_placements(p, key) if key in FACTOR_KEYS else tuple(p.placements)
+
+
+def like_param(
+    p: Tensor, t: Tensor, global_shape: tuple[int, ...], key: str | None = None
+) -> Tensor:
+    """Wrap the local tensor ``t`` as a DTensor laid out like ``p``'s state tensor ``key``
+    (:func:`key_placements`; ``t`` itself if ``p`` is plain)."""
     if not isinstance(p, DTensor):
         return t
     return DTensor.from_local(
         t,
         p.device_mesh,
-        p.placements,
+        key_placements(p, key),
         run_check=False,
         shape=torch.Size(global_shape),
         stride=contiguous_stride(global_shape),
@@ -624,21 +741,22 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def match_layout(p: Tensor, v: Any) -> Any:
-    """A loaded state tensor on ``p``'s device and in ``p``'s kind of layout."""
+def match_layout(p: Tensor, v: Any, key: str | None = None) -> Any:
+    """A loaded state tensor ``key`` on ``p``'s device and in its layout for ``p``."""
     if not isinstance(v, Tensor):
         return v
     lp = local(p)
     if isinstance(p, DTensor):
+        placements = key_placements(p, key)
         if isinstance(v, DTensor):
-            if v.placements != p.placements or v.device_mesh != p.device_mesh:
-                v = v.redistribute(p.device_mesh, p.placements)
+            if tuple(v.placements) != placements or v.device_mesh != p.device_mesh:
+                v = v.redistribute(p.device_mesh, placements)
             lv = v.to_local()
             if lv.device != lp.device:
-                v = like_param(p, lv.to(lp.device), tuple(v.shape))
+                v = like_param(p, lv.to(lp.device), tuple(v.shape), key)
             return v
         # A full tensor on every rank: keep this rank's shard, no communication.
-        return distribute_tensor(v.to(lp.device), p.device_mesh, p.placements, src_data_rank=None)
+        return distribute_tensor(v.to(lp.device), p.device_mesh, placements, src_data_rank=None)
     if isinstance(v, DTensor):
         v = v.full_tensor()
     return v.to(lp.device)

@@ -25,13 +25,16 @@ from torch import nn
 
 from muon_plugin import MuonForeach
 from muon_plugin.lp import MuonLP
+from muon_plugin.lp_rank1 import U_KEY, W_KEY
 from muon_plugin.lp_state import (
     ABSMAX_KEY,
     BASES_KEY,
     CODES_KEY,
+    PLAIN_FP8,
     SCALE_CODES_KEY,
     SCALES_KEY,
     StateFormat,
+    key_placements,
 )
 
 torchao = pytest.importorskip("torchao")
@@ -544,9 +547,12 @@ def dist_job(rank: int, ws: int, root: str) -> None:
             fmt = opt.state_format(p)
             assert fmt.kind == ("bf16" if name == "head" else state_dtype), (label, name, fmt)
             for key, value in opt.state[p].items():
-                # Sharded like the parameter: same mesh and placements, blocks of its rows.
-                assert isinstance(value, DTensor) and value.placements == p.placements, key
-                assert value.to_local().shape[0] == p.to_local().shape[0], key
+                # Sharded like the parameter: same mesh and placements, blocks of its rows
+                # (fp8's rank-1 factors: like its rows, u, or replicated like its columns, w).
+                assert isinstance(value, DTensor), key
+                assert tuple(value.placements) == key_placements(p, key), key
+                rows = p.to_local().shape[0] if key != W_KEY else p.shape[1]
+                assert value.to_local().shape[0] == rows, key
         saved = snapshot(model, opt)
         # Inductor compiles the orthogonalization of a shard-sized stack on one rank and of a
         # whole-model stack here: bf16 roundings may differ. The momentum never does.
@@ -578,7 +584,8 @@ def dist_job(rank: int, ws: int, root: str) -> None:
         dcp_load(model3, opt3, path)
         for p in model3.parameters():
             if p.ndim >= 2:
-                assert all(v.placements == (Shard(1),) for v in opt3.state[p].values())
+                for key, value in opt3.state[p].items():
+                    assert tuple(value.placements) == key_placements(p, key), key
         assert_same(snapshot(model3, opt3), saved, f"{label} Shard(1) load")
         set_bag_grads(model3, 3)
         opt3.step()
@@ -919,7 +926,9 @@ def test_detect_format_reads_every_format_and_rejects_others():
 
     p = torch.zeros(64, 512)
     m = torch.randn(64, 512)
-    for fmt in (StateFormat("int4", 16), StateFormat("int4", 8), StateFormat("int8", 128)):
+    formats = [StateFormat(k, b) for k, b in [("int4", 16), ("int4", 8), ("int8", 128)]]
+    formats += [StateFormat("fp8", 256), StateFormat(PLAIN_FP8, 256)]
+    for fmt in formats:
         state = {k: torch.zeros(s, dtype=d) for k, (s, d) in fmt.layout(tuple(p.shape)).items()}
         assert detect_format(p, state) == fmt
     assert detect_format(p, legacy_int4_state(m, 128)[0]) == StateFormat(LLOYD_MAX_INT4, 128)
@@ -928,3 +937,68 @@ def test_detect_format_reads_every_format_and_rejects_others():
     bad[BASES_KEY] = bad[BASES_KEY].float()
     with pytest.raises(ValueError, match="cannot read saved momentum"):
         detect_format(p, bad)
+
+
+# ---------------------------------------------------------------------- fp8's rank-1 part
+
+
+def test_fp8_state_layout_and_rank1_part():
+    """fp8 = e4m3 codes + fp32 scales + bf16 u (rows) and w (columns); with gradients that share
+    a direction, u w^T carries it and the fp8 residual is much smaller than the momentum."""
+    assert StateFormat("fp8", 256).layout((3, 64, 512)) == {
+        CODES_KEY: ((3, 64, 512), torch.float8_e4m3fn),
+        SCALES_KEY: ((3, 64, 2), torch.float32),
+        U_KEY: ((3, 64), torch.bfloat16),
+        W_KEY: ((3, 512), torch.bfloat16),
+    }
+    model = mlp()
+    opt = MuonLP(groups(model), state_dtype="fp8", **KWARGS)
+    mats = muon_params(opt)
+    gen = torch.Generator().manual_seed(7)
+    shared = [
+        (torch.randn(p.shape[0], 1, generator=gen), torch.randn(1, p.shape[1], generator=gen))
+        for p in mats
+    ]
+    for _ in range(6):
+        for p, (a, b) in zip(mats, shared, strict=True):
+            p.grad = 3.0 * a * b + torch.randn(p.shape, generator=gen)
+        opt.step()
+    for p in mats:
+        state = opt.state[p]
+        u, w = state[U_KEY].float(), state[W_KEY].float()
+        assert u.norm().item() == pytest.approx(1.0, rel=1e-2)
+        m = opt.momentum(p)
+        residual = m - u[:, None] * w[None, :]
+        assert residual.abs().amax() < 0.5 * m.abs().amax()
+        # momentum() = decoded codes + u w^T, the momentum the next step starts from.
+        codes = state[CODES_KEY].float().view(m.shape[0], -1, 256)
+        decoded = (codes * state[SCALES_KEY].view(m.shape[0], -1, 1)).view(m.shape)
+        assert torch.allclose(decoded + u[:, None] * w[None, :], m)
+
+
+def test_plain_fp8_checkpoint_converts_on_load():
+    """fp8 state of the previous version (e4m3 codes and scales, no rank-1 part) loads exactly:
+    its decoded momentum goes into the codes with u = 0, and the next step finds u and w."""
+    model = mlp()
+    src = MuonForeach(groups(model), **KWARGS)
+    random_grads(list(model.parameters()), 0)
+    src.step()
+    saved = copy.deepcopy(src.state_dict())
+    plain = StateFormat(PLAIN_FP8, 256)
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    decoded = {}
+    for i, p in enumerate(mats):
+        entry = saved["state"][i]
+        state = {k: torch.zeros(s, dtype=d) for k, (s, d) in plain.layout(tuple(p.shape)).items()}
+        plain.write(state, entry.pop("momentum_buffer"))
+        decoded[i] = plain.read(state, tuple(p.shape))
+        entry.update(state)
+    dst = MuonLP(groups(copy.deepcopy(model)), state_dtype="fp8", **KWARGS)
+    dst.load_state_dict(saved)
+    for i, q in enumerate(muon_params(dst)):
+        assert set(dst.state[q]) == {CODES_KEY, SCALES_KEY, U_KEY, W_KEY}
+        assert torch.equal(dst.momentum(q), decoded[i])
+        assert not dst.state[q][U_KEY].any()
+    random_grads(muon_params(dst), 1)
+    dst.step()
+    assert all(dst.state[q][U_KEY].float().norm() > 0.5 for q in muon_params(dst))

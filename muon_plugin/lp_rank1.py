@@ -1,0 +1,108 @@
+"""The rank-1 part of fp8 Muon momentum: a power step on (possibly sharded) momentum.
+
+fp8 (e4m3) rounds every element to 3 mantissa bits, so its error is proportional to the
+element. Muon momentum is dominated by a few directions, so MuonLP's fp8 format stores
+``momentum = u w^T + fp8 residual``: one bf16 vector pair per matrix (``u`` along the rows,
+``w`` along the columns; 2 bytes per row and per column, about 0.002 bytes per element of a
+1024 x 4096 matrix) carries the leading direction and the fp8 codes only what is left, whose
+elements are smaller. On the H200 ``bench_lp`` mlp task this took fp8 from +2.34% to about
++1.2% of fp32-state Muon (docs/performance.md).
+
+``u w^T`` tracks the momentum's leading singular pair with one power-iteration step per
+optimizer step, warm-started from the previous ``w``: ``u = normalize(M w_prev)``,
+``w = M^T u``. The momentum moves slowly (it is an exponential average), so one step a step
+keeps up.
+
+Sharded parameters: the factors are laid out along the parameter's rows and columns (``u``
+like the rows, sharded where the rows are and replicated where the columns are; ``w`` the
+other way), so every rank holds exactly the slices its local block needs and a DCP checkpoint
+reshards them like any DTensor. The power step sums over the sharded dimensions with one
+``all_reduce`` per mesh dim that splits them (the matrix-vector product over column shards;
+the norm and ``M^T u`` over row shards): two small collectives per parameter and step under
+FSDP. Leading (batch / expert) dims are independent matrices and need none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+U_KEY = "momentum_rank1_u"  # bf16, (*lead, rows)
+W_KEY = "momentum_rank1_w"  # bf16, (*lead, cols)
+FACTOR_KEYS = (U_KEY, W_KEY)
+
+
+def factor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Shapes of ``u`` and ``w`` for a momentum of ``shape`` (local or global)."""
+    *lead, rows, cols = shape
+    return {U_KEY: (*lead, rows), W_KEY: (*lead, cols)}
+
+
+def factor_placements(p: DTensor, key: str) -> tuple:
+    """Placements of factor ``key`` of DTensor parameter ``p``.
+
+    The factor keeps the parameter's sharding of the leading dims and of its own dim (rows for
+    ``u``, columns for ``w``, which becomes its last dim) and is replicated over mesh dims that
+    split the other one.
+    """
+    ndim = p.ndim
+    own = ndim - 2 if key == U_KEY else ndim - 1
+    out = []
+    for placement in p.placements:
+        dim = getattr(placement, "dim", None)
+        if dim is None:
+            out.append(placement)
+            continue
+        dim %= ndim
+        if dim < ndim - 2:
+            out.append(placement)  # a leading dim: the same dim of the factor
+        elif dim == own:
+            out.append(_with_dim(placement, ndim - 2))  # the factor's last dim
+        else:
+            out.append(Replicate())
+    return tuple(out)
+
+
+def _with_dim(placement: Shard, dim: int) -> Shard:
+    """``placement`` (a Shard or a subclass such as FSDP2's strided shard) on another dim."""
+    if type(placement) is Shard:
+        return Shard(dim)
+    clone = object.__new__(type(placement))
+    clone.__dict__.update(placement.__dict__)
+    object.__setattr__(clone, "dim", dim)
+    return clone
+
+
+def outer(u: Tensor, w: Tensor) -> Tensor:
+    """``u w^T`` per matrix, in fp32: (*lead, rows) x (*lead, cols) -> (*lead, rows, cols)."""
+    return u.float().unsqueeze(-1) * w.float().unsqueeze(-2)
+
+
+def _sum_over_shards(t: Tensor, p: Tensor, param_dim: int) -> Tensor:
+    """All-reduce ``t`` (in place) over the mesh dims that shard ``p`` along ``param_dim``."""
+    if isinstance(p, DTensor):
+        for mesh_dim, placement in enumerate(p.placements):
+            dim = getattr(placement, "dim", None)
+            if dim is not None and dim % p.ndim == param_dim % p.ndim:
+                dist.all_reduce(t, group=p.device_mesh.get_group(mesh_dim))
+    return t
+
+
+@torch.no_grad()
+def power_step(m: Tensor, w_prev: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+    """One warm-started power-iteration step on the local block ``m`` (fp32) of ``p``'s momentum.
+
+    Returns the local slices of ``u`` (unit norm per matrix) and ``w = M^T u`` in fp32. A matrix
+    whose ``M w_prev`` is zero (a zero momentum, or an all-zero ``w_prev``) gets ``u = 0`` and
+    ``w = 1``, so its next step starts the iteration afresh.
+    """
+    y = (m @ w_prev.float().unsqueeze(-1)).squeeze(-1)  # (*lead, rows)
+    _sum_over_shards(y, p, -1)
+    norm = _sum_over_shards(y.square().sum(-1, keepdim=True), p, -2).sqrt_()
+    nonzero = norm > 0
+    u = torch.where(nonzero, y / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    w = (u.unsqueeze(-2) @ m).squeeze(-2)  # (*lead, cols)
+    _sum_over_shards(w, p, -2)
+    return u, torch.where(nonzero, w, 1.0)
