@@ -22,7 +22,7 @@ data seeds (0..N-1; ``fp32 seed+1``: N..2N-1) and compares mean final losses, wh
 
 Uses CUDA when available. ``--quick`` is a shorter, smaller run (the CPU default).
 ``--results PATH`` writes the table into its own marked section of a markdown file
-(e.g. RESULTS.md), replacing an earlier run's.
+(e.g. RESULTS.md), replacing an earlier run's (GPU and CPU runs have separate sections).
 
     python scripts/bench_lp.py                 # GPU: a few hundred steps
     python scripts/bench_lp.py --quick         # CPU: well under 3 minutes on 2 cores
@@ -401,9 +401,10 @@ def main() -> None:
     if args.results:
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         setup_md = "".join(f"- {line}\n" for line in setup)
+        # GPU and CPU runs keep their own sections (a CPU smoke run never replaces GPU numbers).
         write_section(
             args.results,
-            "bench_lp",
+            "bench_lp" if device.type == "cuda" else "bench_lp_cpu",
             f"## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
             f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
             f"- command: `{command}`\n{setup_md}"
