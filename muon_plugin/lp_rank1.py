@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 U_KEY = "momentum_rank1_u"  # bf16, (*lead, rows)
 W_KEY = "momentum_rank1_w"  # bf16, (*lead, cols)
 FACTOR_KEYS = (U_KEY, W_KEY)
+# Factors of a zero momentum: u = 0 (so u w^T = 0) and w = 1, the power iteration's start vector.
+FRESH_FACTORS = {U_KEY: 0.0, W_KEY: 1.0}
 
 
 def factor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -80,8 +82,9 @@ def outer(u: Tensor, w: Tensor) -> Tensor:
     return u.float().unsqueeze(-1) * w.float().unsqueeze(-2)
 
 
-def _sum_over_shards(t: Tensor, p: Tensor, param_dim: int) -> Tensor:
-    """All-reduce ``t`` (in place) over the mesh dims that shard ``p`` along ``param_dim``."""
+def _sum_over_shards(t: Tensor, p: Tensor | None, param_dim: int) -> Tensor:
+    """All-reduce ``t`` (in place) over the mesh dims that shard ``p`` along ``param_dim`` (none
+    for a plain tensor or None)."""
     if isinstance(p, DTensor):
         for mesh_dim, placement in enumerate(p.placements):
             dim = getattr(placement, "dim", None)
@@ -91,8 +94,10 @@ def _sum_over_shards(t: Tensor, p: Tensor, param_dim: int) -> Tensor:
 
 
 @torch.no_grad()
-def power_step(m: Tensor, w_prev: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
-    """One warm-started power-iteration step on the local block ``m`` (fp32) of ``p``'s momentum.
+def power_step(m: Tensor, w_prev: Tensor, p: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One warm-started power-iteration step on the local block ``m`` (fp32) of ``p``'s momentum
+    (``p``: the parameter, whose DTensor placements say which dims are sharded; None or a plain
+    tensor: nothing is).
 
     Returns the local slices of ``u`` (unit norm per matrix) and ``w = M^T u`` in fp32. A matrix
     whose ``M w_prev`` is zero (a zero momentum, or an all-zero ``w_prev``) gets ``u = 0`` and

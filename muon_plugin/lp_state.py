@@ -110,6 +110,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon_plugin.lp_rank1 import (
     FACTOR_KEYS,
+    FRESH_FACTORS,
     U_KEY,
     W_KEY,
     factor_placements,
@@ -119,7 +120,6 @@ from muon_plugin.lp_rank1 import (
 )
 
 STATE_DTYPES = ("bf16", "int8", "int4", "fp8")
-QUANTIZED_DTYPES = ("int8", "int4", "fp8")
 # torchao's own defaults for its low-bit Adam optimizers (int8, fp8); int4 measured (above).
 DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 16, "fp8": 256}
 # Like torchao's (and bitsandbytes') optimizers: smaller tensors are not worth quantizing.
@@ -230,8 +230,8 @@ def validate_state_dtype(state_dtype: object, block_size: object) -> int:
 
 @dataclass(frozen=True)
 class StateFormat:
-    """How one parameter's momentum is stored: ``kind`` (one of STATE_DTYPES, or a legacy int4
-    format, read only), and the block size."""
+    """How one parameter's momentum is stored: ``kind`` (one of STATE_DTYPES, or a format of an
+    earlier version, read only), and the block size."""
 
     kind: str
     block_size: int = 0
@@ -290,8 +290,7 @@ class StateFormat:
         global_layout = self.layout(tuple(p.shape))
         out = {}
         for key, (shape, dtype) in local_layout.items():
-            fill = 1.0 if key == W_KEY else 0.0
-            t = torch.full(shape, fill, dtype=dtype, device=lp.device)
+            t = torch.full(shape, FRESH_FACTORS.get(key, 0.0), dtype=dtype, device=lp.device)
             out[key] = like_param(p, t, global_layout[key][0], key)
         return out
 
@@ -337,8 +336,8 @@ class StateFormat:
             state[BUFFER_KEY].copy_(dense)
             return
         if self.kind == "fp8":
-            state[U_KEY].zero_()
-            state[W_KEY].fill_(1.0)
+            for key in FACTOR_KEYS:
+                state[key].fill_(FRESH_FACTORS[key])
         if dense.numel():
             self.view(state).copy_(dense.reshape(-1))
 
@@ -360,9 +359,9 @@ class StateFormat:
         dims are sharded; every rank of a sharded parameter must call this (it communicates).
         """
         if self.kind == "fp8":
-            return fp8_update(
-                state, grad, momentum, nesterov, grad if param is None else param, compiled
-            )
+            codes = self.view(state) if grad.numel() else None  # torchao's views need elements
+            factors = state[U_KEY], state[W_KEY]
+            return fp8_update(codes, *factors, grad, momentum, nesterov, param, compiled)
         if grad.numel() == 0:
             return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         if self.kind == "int4":
@@ -427,26 +426,30 @@ def dense_update(state: Tensor, grad: Tensor, momentum: float, nesterov: bool) -
 
 
 def fp8_update(
-    state: dict[str, Tensor],
+    codes: Tensor | None,
+    u: Tensor,
+    w: Tensor,
     grad: Tensor,
     momentum: float,
     nesterov: bool,
-    param: Tensor,
+    param: Tensor | None,
     compiled: bool,
 ) -> Tensor:
-    """Momentum step on fp8 state: ``buf = lerp(codes + u w^T, grad)``, one power step for the
-    new ``u, w`` (:func:`muon_plugin.lp_rank1.power_step`), then the residual
-    ``buf - u w^T`` requantized; returns the direction."""
-    u, w = state[U_KEY], state[W_KEY]
-    if grad.numel() == 0:  # an empty shard still joins the power step's collectives
+    """Momentum step on fp8 state (torchao ``codes``, local factors ``u``, ``w``):
+    ``buf = lerp(codes + u w^T, grad)``, one power step for the new ``u, w``
+    (:func:`muon_plugin.lp_rank1.power_step`), then the residual ``buf - u w^T`` requantized;
+    returns the direction. An empty shard (``codes`` None) still joins the power step's
+    collectives."""
+    empty = codes is None
+    if empty:
         buf = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-        for factor, new in zip((u, w), power_step(buf, w, param), strict=True):
-            factor.copy_(new)
+    else:
+        buf = run(fp8_momentum, compiled, codes, u, w, grad, momentum)
+    new_u, new_w = power_step(buf, w, param)
+    u.copy_(new_u)
+    w.copy_(new_w)
+    if empty:
         return buf
-    codes = StateFormat("fp8").view(state)
-    buf = run(fp8_momentum, compiled, codes, u, w, grad, momentum)
-    for factor, new in zip((u, w), power_step(buf, w, param), strict=True):
-        factor.copy_(new)
     return run(fp8_store, compiled, codes, u, w, buf, grad, momentum, nesterov)
 
 

@@ -658,12 +658,15 @@ def test_int4_bytes_per_parameter_and_fallback_below_a_super_block(caplog):
 SCALE_FACTORS = torch.tensor([2.0 ** (-k / 32) for k in range(255)] + [0.0])
 
 
+def zero_state(fmt: StateFormat, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Zero-filled plain state tensors of ``fmt`` for a parameter of ``shape``."""
+    return {k: torch.zeros(s, dtype=d) for k, (s, d) in fmt.layout(shape).items()}
+
+
 def int4_roundtrip(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, dict]:
     """(dequantized x, the int4 state tensors) through MuonLP's int4 state format."""
     fmt = StateFormat("int4", block_size)
-    state = {
-        k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in fmt.layout(x.shape).items()
-    }
+    state = zero_state(fmt, tuple(x.shape))
     fmt.write(state, x)
     return fmt.read(state, tuple(x.shape)), state
 
@@ -929,8 +932,7 @@ def test_detect_format_reads_every_format_and_rejects_others():
     formats = [StateFormat(k, b) for k, b in [("int4", 16), ("int4", 8), ("int8", 128)]]
     formats += [StateFormat("fp8", 256), StateFormat(PLAIN_FP8, 256)]
     for fmt in formats:
-        state = {k: torch.zeros(s, dtype=d) for k, (s, d) in fmt.layout(tuple(p.shape)).items()}
-        assert detect_format(p, state) == fmt
+        assert detect_format(p, zero_state(fmt, tuple(p.shape))) == fmt
     assert detect_format(p, legacy_int4_state(m, 128)[0]) == StateFormat(LLOYD_MAX_INT4, 128)
     assert detect_format(p, absmax_int4_state(m, 32)[0]) == StateFormat(ABSMAX_INT4, 32)
     bad = int4_roundtrip(m, 16)[1]
@@ -989,7 +991,7 @@ def test_plain_fp8_checkpoint_converts_on_load():
     decoded = {}
     for i, p in enumerate(mats):
         entry = saved["state"][i]
-        state = {k: torch.zeros(s, dtype=d) for k, (s, d) in plain.layout(tuple(p.shape)).items()}
+        state = zero_state(plain, tuple(p.shape))
         plain.write(state, entry.pop("momentum_buffer"))
         decoded[i] = plain.read(state, tuple(p.shape))
         entry.update(state)
