@@ -71,46 +71,51 @@ def _upper_tile(pid, RATIO: tl.constexpr):
 
 
 @triton.jit
-def _store_symmetric(
+def _epilogue(
     acc,
     offs_i,
     offs_j,
     M,
     C,
-    OUT,
     pid_b,
     stride_cb,
     stride_cm,
     stride_cn,
-    stride_ob,
-    stride_om,
-    stride_on,
     alpha,
     beta,
     gamma,
+    out_dtype: tl.constexpr,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
 ):
-    """``alpha * acc + beta * C + gamma * I``, rounded once, stored as a tile and its mirror."""
+    """``alpha * acc + beta * C + gamma * I`` in fp32, rounded once to ``out_dtype``.
+
+    C is taken as symmetric: the tile is loaded whole, and the stores keep only the part of
+    it on or above the diagonal.
+    """
     rows = offs_i[:, None]
     cols = offs_j[None, :]
     res = acc * alpha
     if HAS_C:
-        # C is taken as symmetric: only its upper triangle is used (the tile is
-        # loaded whole, but the masks below keep only rows <= cols of it).
         c_ptrs = C + pid_b * stride_cb + rows * stride_cm + cols * stride_cn
         c = tl.load(c_ptrs, mask=(rows < M) & (cols < M), other=0.0)
         res += beta * c.to(tl.float32)
-    if HAS_DIAG:  # + gamma * I, added in fp32 before the single rounding to OUT's dtype
+    if HAS_DIAG:  # + gamma * I, added in fp32 before the single rounding
         res += tl.where(rows == cols, gamma, 0.0)
-    res = res.to(OUT.dtype.element_ty)
+    return res.to(out_dtype)
 
-    o_base = OUT + pid_b * stride_ob
-    # Upper part: rows <= cols (the whole tile when it lies above the diagonal).
+
+@triton.jit
+def _store_mirrored(res, offs_i, offs_j, M, o_base, stride_om, stride_on):
+    """Store a tile's upper part in place and its strictly upper part transposed (pointers).
+
+    Element (a, b) of the tile also goes to (offs_j[b], offs_i[a]) when it is strictly upper;
+    the lower part of a tile that crosses the diagonal is left to the mirror of its upper
+    part, so every element is written once and the output is exactly symmetric.
+    """
+    rows = offs_i[:, None]
+    cols = offs_j[None, :]
     tl.store(o_base + rows * stride_om + cols * stride_on, res, mask=(rows <= cols) & (cols < M))
-    # Mirror: element (a, b) of the tile goes to (offs_j[b], offs_i[a]) when it is strictly
-    # upper; the lower part of a tile on the diagonal is left to the mirror of its upper
-    # part, so every element is written once and the output is exactly symmetric.
     rows_t = offs_j[:, None]
     cols_t = offs_i[None, :]
     tl.store(
@@ -118,6 +123,26 @@ def _store_symmetric(
         tl.trans(res),
         mask=(rows_t > cols_t) & (rows_t < M),
     )
+
+
+@triton.jit
+def _store_mirrored_tma(res, tile_i, tile_j, M, o_base, stride_om, BLOCK: tl.constexpr):
+    """The same result as ``_store_mirrored`` for square tiles, by TMA bulk stores.
+
+    An off-diagonal tile is stored twice, as is and transposed; a diagonal tile is first made
+    exactly symmetric from its upper triangle. TMA clips the stores at row and column M, and
+    the asynchronous stores let the next tile's loads start sooner (measured on an H200 at
+    (4096, 14336): 0.376 ms against 0.425 ms for the pointer stores).
+    """
+    o_desc = tl.make_tensor_descriptor(o_base, [M, M], [stride_om, 1], [BLOCK, BLOCK])
+    if tile_i == tile_j:
+        r = tl.arange(0, BLOCK)
+        o_desc.store(
+            [tile_i * BLOCK, tile_i * BLOCK], tl.where(r[:, None] <= r[None, :], res, tl.trans(res))
+        )
+    else:
+        o_desc.store([tile_i * BLOCK, tile_j * BLOCK], res)
+        o_desc.store([tile_j * BLOCK, tile_i * BLOCK], tl.trans(res))
 
 
 @triton.jit
@@ -190,26 +215,24 @@ def _syrk_kernel(
         a_ptrs += BLOCK_K * stride_xk
         b_ptrs += BLOCK_K * stride_yk
 
-    _store_symmetric(
+    res = _epilogue(
         acc,
         offs_i,
         offs_j,
         M,
         C,
-        OUT,
         pid_b,
         stride_cb,
         stride_cm,
         stride_cn,
-        stride_ob,
-        stride_om,
-        stride_on,
         alpha,
         beta,
         gamma,
+        OUT.dtype.element_ty,
         HAS_C,
         HAS_DIAG,
     )
+    _store_mirrored(res, offs_i, offs_j, M, OUT + pid_b * stride_ob, stride_om, stride_on)
 
 
 @triton.jit
@@ -232,6 +255,7 @@ def _syrk_tma_kernel(
     gamma,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -240,7 +264,8 @@ def _syrk_tma_kernel(
 
     X and Y are viewed as ``(ROWS = batch * M, K)``; a tile that runs past row M of its batch
     reads the next batch's rows (or TMA's zero fill), which only reach the masked-out part of
-    the output tile.
+    the output tile. With ``TMA_STORE`` (an output whose rows are contiguous and 16-byte
+    aligned) square tiles are stored by TMA too.
     """
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -258,31 +283,34 @@ def _syrk_tma_kernel(
         acc = tl.dot(a, b.T, acc)
     offs_i = tile_i * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = tile_j * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_symmetric(
+    pid_b = pid_b.to(tl.int64)
+    res = _epilogue(
         acc,
         offs_i,
         offs_j,
         M,
         C,
-        OUT,
-        pid_b.to(tl.int64),
+        pid_b,
         stride_cb,
         stride_cm,
         stride_cn,
-        stride_ob,
-        stride_om,
-        stride_on,
         alpha,
         beta,
         gamma,
+        OUT.dtype.element_ty,
         HAS_C,
         HAS_DIAG,
     )
+    o_base = OUT + pid_b * stride_ob
+    if TMA_STORE and BLOCK_M == BLOCK_N:
+        _store_mirrored_tma(res, tile_i, tile_j, M, o_base, stride_om, BLOCK_M)
+    else:
+        _store_mirrored(res, offs_i, offs_j, M, o_base, stride_om, stride_on)
 
 
-syrk_tma_autotuned = triton.autotune(configs=_configs(TMA_TILES), key=["M", "K", "HAS_C"])(
-    _syrk_tma_kernel
-)
+syrk_tma_autotuned = triton.autotune(
+    configs=_configs(TMA_TILES), key=["M", "K", "HAS_C", "TMA_STORE"]
+)(_syrk_tma_kernel)
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -309,6 +337,17 @@ def tma_eligible(X: torch.Tensor, Y: torch.Tensor) -> bool:
         and (k * X.element_size()) % 16 == 0
         and X.data_ptr() % 16 == 0
         and Y.data_ptr() % 16 == 0
+    )
+
+
+def tma_store_eligible(out: torch.Tensor) -> bool:
+    """TMA stores need contiguous output rows, 16-byte aligned row and batch strides and base."""
+    size = out.element_size()
+    return (
+        out.stride(-1) == 1
+        and (out.stride(-2) * size) % 16 == 0
+        and (out.shape[0] == 1 or (out.stride(0) * size) % 16 == 0)
+        and out.data_ptr() % 16 == 0
     )
 
 
@@ -394,10 +433,11 @@ def launch(
     if X.dtype != torch.float32 and tma_eligible(X, Y):
         # The pointer kernel's args minus the 6 X/Y strides (args[6:12]).
         tma_args = (X, Y, c_arg, out, m, k, batch * m, *args[12:])
-        tma_flags = {"HAS_C": has_c, "HAS_DIAG": flags["HAS_DIAG"]}
+        tma_store = tma_store_eligible(out)
+        tma_flags = {"HAS_C": has_c, "HAS_DIAG": flags["HAS_DIAG"], "TMA_STORE": tma_store}
         # Triton's allocator is a context variable (per thread), so it is set at each launch.
         triton.set_allocator(_tma_scratch)
-        _TMA.launch((*key, "tma"), tma_args, tma_flags, m, k, batch, config)
+        _TMA.launch((*key, "tma", tma_store), tma_args, tma_flags, m, k, batch, config)
     else:
         _POINTER.launch((*key, "pointer"), args, flags, m, k, batch, config)
     return out
