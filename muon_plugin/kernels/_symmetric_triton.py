@@ -130,9 +130,10 @@ def _store_mirrored_tma(res, tile_i, tile_j, M, o_base, stride_om, BLOCK: tl.con
     """The same result as ``_store_mirrored`` for square tiles, by TMA bulk stores.
 
     An off-diagonal tile is stored twice, as is and transposed; a diagonal tile is first made
-    exactly symmetric from its upper triangle. TMA clips the stores at row and column M, and
-    the asynchronous stores let the next tile's loads start sooner (measured on an H200 at
-    (4096, 14336): 0.376 ms against 0.425 ms for the pointer stores).
+    exactly symmetric from its upper triangle. TMA clips the stores at row and column M. The
+    stores are asynchronous: with two programs on an SM (3 stages, 98 KB of shared memory each)
+    one's stores overlap the other's main loop (H200, (4096, 14336): 0.385 ms against 0.424 ms
+    for the pointer stores).
     """
     o_desc = tl.make_tensor_descriptor(o_base, [M, M], [stride_om, 1], [BLOCK, BLOCK])
     if tile_i == tile_j:
