@@ -110,7 +110,7 @@ def run_case(kind: str, shape, inputs, do_bench, mod) -> dict:
         return S.symmetric_matmul(X, alpha=alpha, C=C, beta=beta)
 
     def torch_fn(X, C):
-        return S._torch_gram(X, alpha, C, beta)
+        return S._torch_gram(X, X, alpha, C, beta)
 
     # Correctness (this call also autotunes); the output is poisoned first.
     out = torch.full((*X0.shape[:-1], m), float("nan"), device="cuda", dtype=X0.dtype)
@@ -168,7 +168,7 @@ def sweep(shapes, do_bench, mod, l2: int) -> list[dict]:
         X3s = [(x.reshape(-1, m, k),) for x in xs]
         ref = X3s[0][0].float() @ X3s[0][0].float().mT
         out = torch.empty(X3s[0][0].shape[0], m, m, device="cuda", dtype=torch.bfloat16)
-        t_cublas = bench(lambda x: S._torch_gram(x, 1.0, None, 0.0), X3s, do_bench)
+        t_cublas = bench(lambda x: S._torch_gram(x, x, 1.0, None, 0.0), X3s, do_bench)
         line = [f"{fmt_shape(shape):>14}: cublas {t_cublas:.4f}"]
         for cfg in configs:
             d = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

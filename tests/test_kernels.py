@@ -227,14 +227,30 @@ def test_gram_rejects_bad_c():
 
 
 def test_dispatch_predicate():
-    assert use_symmetric_kernel(4096, 4096)
-    assert use_symmetric_kernel(4096, 14336)
-    assert use_symmetric_kernel(1024, 4096, 16)
-    assert not use_symmetric_kernel(1024, 65536)  # too few output tiles
-    assert not use_symmetric_kernel(2048, 2048, 8)  # reduction too short
-    assert not use_symmetric_kernel(1024, 4096)
-    assert not use_symmetric_kernel(1024, 1024, 32)
-    assert not use_symmetric_kernel(128, 256, 256)
+    """The region measured on an H200 (see ``use_symmetric_kernel``)."""
+    for shape in [
+        (4096, 4096),
+        (4096, 14336),
+        (1024, 4096, 16),
+        (1024, 4096, 8),
+        (2048, 2048, 8),
+        (2048, 2048, 4),
+        (2048, 8192, 2),
+        (1024, 1024, 32),
+        (8192, 8192),
+    ]:
+        assert use_symmetric_kernel(*shape), shape
+    for shape in [
+        (1024, 65536),
+        (2048, 2048),
+        (2048, 8192),
+        (1024, 4096),
+        (1024, 1024, 8),
+        (1024, 1024, 16),
+        (768, 3072, 24),
+        (128, 256, 256),
+    ]:
+        assert not use_symmetric_kernel(*shape), shape
 
 
 def test_import_without_triton():

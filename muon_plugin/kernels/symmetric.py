@@ -50,19 +50,31 @@ def _triton_module() -> ModuleType:
     return _symmetric_triton
 
 
+# The kernel's programs: 128 x 128 upper-triangle tiles, two resident per SM of an H200.
+_TILE = 128
+_MIN_TILES = 2 * 132
+# Tiles times reduction length below which cuBLAS wins (launch cost, short main loops).
+_MIN_TILE_WORK = 2**20
+
+
 def use_symmetric_kernel(m: int, k: int, batch: int = 1) -> bool:
     """Whether the Triton kernel is expected to beat cuBLAS for X of shape (batch, m, k).
 
-    The kernel does half the FLOPs at a lower per-FLOP rate than cuBLAS (and launches more
-    slowly), so it pays only for large products with a long reduction (k >= 4096) and enough
-    output tiles to fill the GPU. Measured on an H200 (bf16, eager, ``do_bench``): it wins
-    at (4096, 4096) 1.10x, (16, 1024, 4096) 1.08x, (2, 2048, 8192) 1.06x (each 2**36
-    multiply-adds), (4, 4096, 4096) 1.33x, (4096, 14336) 1.60x, (8192, 8192) 1.52x; cuBLAS
-    wins at (2048, 8192) 0.86x, (8, 2048, 2048) 0.87x (k short), (1024, 65536) 0.78x (too few
-    tiles), (2048, 2048), (1024, 4096), (32, 1024, 1024); (64, 512, 4096) is a tie.
+    The kernel does half the FLOPs at a lower per-FLOP rate than cuBLAS and launches more
+    slowly, so it pays where its tiles fill the GPU (two programs per SM) and each has a long
+    enough reduction. Measured on an H200 (bf16, eager, ``do_bench``, ``X X^T`` / with the
+    ``c A A + b A`` epilogue where k = m): it wins at (4096, 14336) 1.76x, (8, 4096, 4096)
+    1.81x / 1.56x, (8, 2048, 2048) 1.32x / 1.23x, (4, 2048, 2048) 1.15x / 1.15x, (16, 1024,
+    4096) 1.26x, (8, 1024, 4096) 1.08x, (2, 2048, 8192) 1.19x, (32, 1024, 1024) 1.10x / 1.01x;
+    cuBLAS wins at (2048, 2048) 0.38x, (1024, 4096) 0.74x, (1024, 65536) 0.61x (too few
+    tiles), (8, 1024, 1024) 0.88x, (16, 1024, 1024) 0.94x (too little work per launch). Below
+    m = 1024 it is left to cuBLAS even where the kernel alone wins ((24, 768, 3072) 1.33x):
+    those stacks run inside the CUDA-graphed small-matrix path, not re-measured with it.
     Re-tune with ``scripts/bench_kernels.py``.
     """
-    return m >= 1024 and k >= 4096 and batch * m * m * k >= 2**36 and batch * m * m >= 2**23
+    t = -(-m // _TILE)
+    tiles = batch * t * (t + 1) // 2
+    return m >= 1024 and tiles >= _MIN_TILES and tiles * k >= _MIN_TILE_WORK
 
 
 def _flatten(X: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
