@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from muon_plugin.kernels.symmetric import upper_tile_count
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Config used where autotuning is not wanted (the CPU interpreter, where it would be slow).
@@ -368,9 +370,8 @@ syrk_autotuned = triton.autotune(configs=_configs(POINTER_TILES), key=["M", "K",
 _tuned: dict[tuple, dict] = {}
 
 
-def _num_programs(m: int, block_m: int, block_n: int) -> int:
-    t = triton.cdiv(m, block_n)
-    return (block_n // block_m) * t * (t + 1) // 2
+# One program per upper-triangle tile.
+_num_programs = upper_tile_count
 
 
 def launch(

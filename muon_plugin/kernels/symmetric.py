@@ -50,6 +50,13 @@ def _triton_module() -> ModuleType:
     return _symmetric_triton
 
 
+def upper_tile_count(m: int, block_m: int, block_n: int) -> int:
+    """Tiles of ``block_m x block_n`` (block_n a multiple of block_m) that meet the upper
+    triangle of an ``m x m`` output: the kernel's programs per matrix."""
+    t = -(-m // block_n)
+    return (block_n // block_m) * t * (t + 1) // 2
+
+
 # The kernel's programs: 128 x 128 upper-triangle tiles, two resident per SM of an H200.
 _TILE = 128
 _MIN_TILES = 2 * 132
@@ -72,8 +79,7 @@ def use_symmetric_kernel(m: int, k: int, batch: int = 1) -> bool:
     those stacks run inside the CUDA-graphed small-matrix path, not re-measured with it.
     Re-tune with ``scripts/bench_kernels.py``.
     """
-    t = -(-m // _TILE)
-    tiles = batch * t * (t + 1) // 2
+    tiles = batch * upper_tile_count(m, _TILE, _TILE)
     return m >= 1024 and tiles >= _MIN_TILES and tiles * k >= _MIN_TILE_WORK
 
 
