@@ -22,7 +22,9 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 from torchtitan.config import ConfigManager  # noqa: E402
 
-import muon_plugin.torchtitan  # noqa: E402,F401  (installs the hooks)
+import muon_plugin.torchtitan  # noqa: E402
+
+muon_plugin.torchtitan.activate()  # installs the hooks
 from muon_plugin.torchtitan import register  # noqa: E402
 from muon_plugin.torchtitan.builder import MuonOptimizersContainer  # noqa: E402
 

@@ -79,8 +79,10 @@ def test_cpu_mode_reaches_every_module_in_torchtitan_import_order() -> None:
 
 
 def test_fsdp_sum_reduction_only_on_cpu() -> None:
-    import muon_plugin.torchtitan  # noqa: F401
+    import muon_plugin.torchtitan
     from muon_plugin.torchtitan import cpu
+
+    muon_plugin.torchtitan.activate()
 
     if not cpu.is_applied():
         pytest.skip("an accelerator is present: CPU mode is off")
@@ -102,8 +104,10 @@ def test_fsdp_sum_reduction_only_on_cpu() -> None:
 
 
 def test_moe_histc_accepts_integer_cpu_tensors() -> None:
-    import muon_plugin.torchtitan  # noqa: F401
+    import muon_plugin.torchtitan
     from muon_plugin.torchtitan import cpu
+
+    muon_plugin.torchtitan.activate()
 
     if not cpu.is_applied():
         pytest.skip("an accelerator is present: CPU mode is off")

@@ -1,23 +1,39 @@
-"""torchtitan plugin of muon_plugin: ``optimizer.name = "muon"`` for any torchtitan model.
+"""torchtitan 0.2.2 plugin of muon_plugin: ``optimizer.name = "muon"`` for any torchtitan model.
 
 Enable it in the job TOML with ``[job] custom_config_module = "muon_plugin.torchtitan"`` (or
-``--job.custom_config_module muon_plugin.torchtitan``). torchtitan imports this module while
-it parses the config, before the ``Trainer`` exists; importing it
+``--job.custom_config_module muon_plugin.torchtitan``). Importing this package changes nothing
+in torchtitan. :func:`activate` does, idempotently:
 
 - switches torchtitan to CPU + gloo when the machine has no accelerator
   (:mod:`muon_plugin.torchtitan.cpu`; nothing changes on GPUs),
-- installs the optimizer hooks (:mod:`muon_plugin.torchtitan.register`), idempotently,
-- provides ``JobConfig``, which adds the ``[optimizer.muon]`` section
-  (:mod:`muon_plugin.torchtitan.config`).
+- installs the optimizer hooks (:mod:`muon_plugin.torchtitan.register`).
+
+torchtitan 0.2.2 reads ``JobConfig`` (which adds the ``[optimizer.muon]`` section,
+:mod:`muon_plugin.torchtitan.config`) from the module named by ``job.custom_config_module``
+while it parses the config, before the ``Trainer`` exists: that lookup is the activation, so
+naming the module in a config is all a job needs.
 """
 
-from muon_plugin.torchtitan import cpu as _cpu
+from typing import Any
 
-_cpu.apply()
+__all__ = ["JobConfig", "MuonConfig", "Optimizer", "activate"]
 
-from muon_plugin.torchtitan.config import JobConfig, MuonConfig, Optimizer  # noqa: E402
-from muon_plugin.torchtitan.register import install as _install  # noqa: E402
+_CONFIG_NAMES = ("JobConfig", "MuonConfig", "Optimizer")
 
-_install()
 
-__all__ = ["JobConfig", "MuonConfig", "Optimizer"]
+def activate() -> None:
+    """Apply the CPU mode (only without an accelerator) and install the optimizer hooks."""
+    from muon_plugin.torchtitan import cpu, register
+
+    cpu.apply()
+    register.install()
+
+
+def __getattr__(name: str) -> Any:
+    # torchtitan 0.2.2's ConfigManager does import_module(custom_config_module).JobConfig.
+    if name in _CONFIG_NAMES:
+        activate()
+        from muon_plugin.torchtitan import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
