@@ -26,6 +26,7 @@ On a machine with an accelerator nothing is changed. :func:`apply` is idempotent
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import resource
 import sys
@@ -211,6 +212,14 @@ def _patch_moe_histc() -> None:
         moe.torch = _TorchWithIntegerHistc()
 
 
+_COPYING_MODULES = (
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiling",
+)
+"""Modules that copy ``device_type`` / ``device_module`` from ``tools.utils`` at import."""
+
 # What torchtitan assumes for a device it does not know (tools/utils.py), used for MFU only.
 CPU_PEAK_FLOPS = 312e12
 
@@ -243,10 +252,12 @@ def apply() -> bool:
     tt_utils.get_peak_flops = lambda device_name: CPU_PEAK_FLOPS
     # Import the modules that copy the values now, so that the rebinding below reaches them
     # even when this runs before torchtitan.train imported them.
-    import torchtitan.components.metrics  # noqa: F401
-    import torchtitan.distributed.parallel_dims  # noqa: F401
-    import torchtitan.distributed.utils  # noqa: F401
-    import torchtitan.tools.profiling  # noqa: F401
+    # (torchtitan 0.3 has no tools.profiling: the modules that exist are imported.)
+    for name in _COPYING_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            pass
 
     _rebind_copies(old_type, old_module)
     _patch_memory_monitor_default()

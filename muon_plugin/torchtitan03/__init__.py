@@ -1,0 +1,31 @@
+"""torchtitan 0.3 plugin of muon_plugin: Muon as the optimizer of any torchtitan 0.3 config.
+
+- :class:`~muon_plugin.torchtitan03.container.MuonOptimizersContainer` and its ``Config`` (every
+  Muon option a typed, documented field ``optimizer.muon.<option>``), for Python configs;
+- :func:`~muon_plugin.torchtitan03.override.muon`, for ``--override.imports
+  muon_plugin.torchtitan03.override.muon``: swaps the optimizer of any shipped config for Muon;
+- :mod:`muon_plugin.torchtitan03.configs`: ready configs (``--module
+  muon_plugin.torchtitan03.configs --config llama3_debugmodel``, or any shipped config as
+  ``--config <model>.<config function>``) whose Muon options are CLI flags;
+- :func:`activate`: the CPU mode (only without an accelerator) and a torch-version shim, applied
+  by ``python -m muon_plugin.torchtitan03.train`` (torchtitan's ``torchtitan.train`` after
+  :func:`activate`). Importing this package changes nothing in torchtitan.
+"""
+
+from __future__ import annotations
+
+__all__ = ["activate"]
+
+
+def activate() -> bool:
+    """Prepare torchtitan 0.3 for this machine (idempotent); True when the CPU mode is on.
+
+    Without an accelerator: CPU devices, gloo, FSDP SUM reductions, eager FlexAttention
+    (:mod:`muon_plugin.torchtitan03.cpu`). With any device: on a torch without
+    ``torch.distributed.set_timeout`` (before 2.14) torchtitan's post-first-step timeout change
+    is skipped with a warning instead of failing (:mod:`muon_plugin.torchtitan03.compat`).
+    """
+    from muon_plugin.torchtitan03 import compat, cpu
+
+    compat.apply()
+    return cpu.apply()
