@@ -50,8 +50,6 @@ def apply_table(cfg: MuonConfig, table: Mapping[str, Any]) -> MuonConfig:
             f"optimizer.muon.{unknown[0]}: unknown option (valid: {', '.join(MUON_CONFIG_KEYS)})"
         )
     updates = {
-        key: value
-        for key, value in table.items()
-        if getattr(cfg, key) == getattr(_DEFAULTS, key)
+        key: value for key, value in table.items() if getattr(cfg, key) == getattr(_DEFAULTS, key)
     }
     return dataclasses.replace(cfg, **updates)

@@ -23,7 +23,8 @@ def shipped(model: str, function: str) -> Any:
     try:
         registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
     except ModuleNotFoundError:
-        raise ValueError(f"--config {model}.{function}: torchtitan has no model {model!r}") from None
+        msg = f"--config {model}.{function}: torchtitan has no model {model!r}"
+        raise ValueError(msg) from None
     fn = getattr(registry, function, None)
     if not callable(fn):
         raise ValueError(f"--config {model}.{function}: {registry.__name__} has no {function!r}")

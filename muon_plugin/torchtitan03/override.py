@@ -41,7 +41,7 @@ def _base_from_groups(cfg: OptimizersContainer.Config) -> dict[str, Any]:
         raise ValueError(
             f"override muon_plugin.torchtitan03.override.muon: optimizer.param_groups pattern "
             f"{group.pattern!r} uses {group.optimizer_name!r}; its lr / weight decay cannot be "
-            "taken over (pass them as override kwargs, e.g. {\"lr\": 0.01})"
+            'taken over (pass them as override kwargs, e.g. {"lr": 0.01})'
         )
     kw = group.optimizer_kwargs
     base: dict[str, Any] = {}
@@ -56,9 +56,7 @@ def _base_from_groups(cfg: OptimizersContainer.Config) -> dict[str, Any]:
     return base
 
 
-def to_muon(
-    cfg: OptimizersContainer.Config, **options: Any
-) -> MuonOptimizersContainer.Config:
+def to_muon(cfg: OptimizersContainer.Config, **options: Any) -> MuonOptimizersContainer.Config:
     """``cfg`` as a Muon config; ``options``: Muon options and the container's own fields."""
     unknown = sorted(set(options) - set(MUON_CONFIG_KEYS) - set(_BASE_KEYS))
     if unknown:
