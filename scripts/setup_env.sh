@@ -7,6 +7,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MUON_PLUGIN_VENV:-$root/.venv}"
 python="${BASE_PYTHON:-python3}"
+# `setup_env.sh --titan03`: the second environment, torchtitan 0.3 (./.venv-titan03).
+if [ "${1:-}" = "--titan03" ]; then exec bash "$root/scripts/setup_env_titan03.sh"; fi
 stamp="$venv/.muon_plugin_setup"
 want="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Train with torchtitan + muon_plugin.
+# Train with torchtitan + muon_plugin, on torchtitan 0.2.2 (TOML) or 0.3 (Python configs).
 #
 #   scripts/train.sh CONFIG [torchtitan overrides ...]
 #   scripts/train.sh configs/llama3_debug_muon.toml --training.steps 10 --optimizer.muon.ns_steps 7
+#   scripts/train.sh configs/titan03_muon.py:llama3_debug_muon --optimizer.muon.ns_steps 7
+#   scripts/train.sh muon_plugin.torchtitan03.configs:llama3.llama3_8b   # any shipped 0.3 config
 #
+# - CONFIG.toml: torchtitan 0.2.2 (./.venv); FILE.py:FUNCTION or MODULE:FUNCTION: torchtitan 0.3
+#   (./.venv-titan03, scripts/setup_env_titan03.sh), through muon_plugin.torchtitan03.train;
 # - runs from the repository root with .venv/bin/python, set up by scripts/setup_env.sh (instant
 #   once done); PYTHON=/path/to/python uses your own environment instead, with no set-up;
 # - builds the local corpus and tokenizer (scripts/prepare_data.py -> data/) on first use;
@@ -13,15 +17,26 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="$1"
 shift
+# torchtitan 0.3: FILE.py:FUNCTION or MODULE:FUNCTION (a Python config function).
+RELEASE=0.2.2
+if [[ "$CONFIG" == *:* ]]; then
+    RELEASE=0.3
+    CONFIG_FN="${CONFIG##*:}"
+    CONFIG="${CONFIG%:*}"
+    CONFIG_MODULE="$CONFIG"
+    if [[ -f "$CONFIG" ]]; then   # a file: its folder goes on PYTHONPATH, its name is the module
+        CONFIG_DIR="$(cd "$(dirname "$CONFIG")" && pwd)"
+        CONFIG_MODULE="$(basename "$CONFIG" .py)"
+    fi
 # Resolve the config against the caller's directory before moving to the repository root.
-if [[ -f "$CONFIG" ]]; then
+elif [[ -f "$CONFIG" ]]; then
     CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
 else
     echo "train.sh: config file not found: $CONFIG" >&2
@@ -31,6 +46,9 @@ cd "$ROOT"
 
 if [[ -n "${PYTHON:-}" ]]; then
     :   # an environment you manage yourself (e.g. a cluster image): used as is, no set-up
+elif [[ "$RELEASE" == 0.3 ]]; then
+    bash scripts/setup_env_titan03.sh   # creates/refreshes .venv-titan03
+    PYTHON="$ROOT/.venv-titan03/bin/python"
 else
     bash scripts/setup_env.sh   # creates/refreshes .venv; instant when nothing changed
     PYTHON="$ROOT/.venv/bin/python"
@@ -48,13 +66,18 @@ fi
 # Everything is local: never try to reach a model/dataset hub.
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "$NPROC" -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
     CORES="$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))' 2>/dev/null || echo 1)"
     export OMP_NUM_THREADS=$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))
 fi
 
 # LOG_RANK: which local ranks print (comma separated; default 0), as torchtitan's run_train.sh.
+if [[ "$RELEASE" == 0.3 ]]; then
+    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+        --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
+        -m muon_plugin.torchtitan03.train --module "$CONFIG_MODULE" --config "$CONFIG_FN" "$@"
+fi
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG" "$@"

@@ -1,0 +1,195 @@
+"""End-to-end torchtitan 0.3 runs with Muon on CPU processes (gloo), through
+``muon_plugin.torchtitan03.train`` and ``configs/titan03_muon.py``.
+
+- FSDP=2: trains (loss falls), logs the rule table and the plan; also the reference run;
+- a checkpoint saved under FSDP=2 at step SPLIT resumes under TP=2 with the next losses of the
+  uninterrupted run (TP=2 training, model and Muon/AdamW state resharded);
+- FSDP 2 x TP 2 (4 processes) trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+TOTAL, SPLIT, BATCH = 8, 4, 2
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo runs on Linux"),
+]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("titan03_data")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
+        check=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return out
+
+
+def run(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp / "hf_cache"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), "--local-ranks-filter", "0", "--role", "rank",
+        "--tee", "3", "-m", "muon_plugin.torchtitan03.train",
+        "--module", "configs.titan03_muon", "--config", "llama3_debug_muon",
+        "--metrics.disable_color_printing", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
+    return out
+
+
+def losses(log: str) -> dict[int, float]:
+    found: dict[int, float] = {}
+    for step, loss in LOSS_RE.findall(log):
+        found.setdefault(int(step), float(loss))
+    return found
+
+
+def _exact_chunks(assets: Path, n: int, tokens: int = 255) -> list[str]:
+    """Texts of exactly ``tokens`` ids: with BOS/EOS each is one seq_len-256 sample."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(assets / "tokenizer" / "tokenizer.json"))
+    ids: list[int] = []
+    with open(assets / "corpus" / "data.json", encoding="utf-8") as f:
+        for line in f:
+            ids.extend(tok.encode(json.loads(line)["text"]).ids)
+            if len(ids) > 3 * n * tokens:
+                break
+    chunks = []
+    for i in range(0, len(ids) - tokens, tokens):
+        text = tok.decode(ids[i : i + tokens])
+        if len(tok.encode(text).ids) == tokens:
+            chunks.append(text)
+            if len(chunks) == n:
+                return chunks
+    raise AssertionError("not enough text for the checkpoint test corpus")
+
+
+def _write_corpus(folder: Path, texts: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    with open(folder / "data.json", "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    return folder
+
+
+def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
+    return [
+        "--hf_assets_path", str(assets / "tokenizer"),
+        "--dataloader.dataset_path", str(corpus),
+        "--dump_folder", str(dump),
+        "--training.steps", str(steps),
+        "--training.local_batch_size", str(BATCH),
+        "--lr_scheduler.warmup_steps", "2",
+        "--checkpoint.interval", "1000",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(assets: Path, tmp_path_factory) -> dict:
+    """An uninterrupted FSDP=2 run of TOTAL steps and an identical one saving at SPLIT.
+
+    Every document is one sample; the FSDP corpus is the list D twice, so each FSDP rank
+    (a contiguous half) reads D. The dataloader state cannot be resharded (dp 2 -> 1): the
+    resumed run skips it and reads D without the first SPLIT * BATCH documents.
+    """
+    tmp = tmp_path_factory.mktemp("titan03_ckpt")
+    docs = _exact_chunks(assets, 24)
+    corpus = _write_corpus(tmp / "corpus_fsdp", docs + docs)
+    ref = run(_common(assets, corpus, tmp / "ref", TOTAL), tmp)
+    first = run([*_common(assets, corpus, tmp / "first", SPLIT), "--checkpoint.enable"], tmp)
+    ckpt = tmp / "first" / "checkpoint"
+    assert (ckpt / f"step-{SPLIT}").is_dir(), sorted(p.name for p in ckpt.iterdir())
+    return {"ref": ref, "first": losses(first), "checkpoint": ckpt, "docs": docs}
+
+
+def test_fsdp2_trains_with_muon(fsdp_runs: dict) -> None:
+    log = fsdp_runs["ref"]
+    got = losses(log)
+    assert sorted(got) == list(range(1, TOTAL + 1)), log[-3000:]
+    # the documents differ step to step: the last batch alone can be a hard one
+    assert min(got.values()) < got[1] - 0.5, f"loss did not fall: {got}"
+    assert "Muon optimizer: MuonForeach" in log
+    assert re.search(r"^\s*matrix\s+muon\s+30\s", log, re.M), log[-3000:]  # wqkv fused
+    assert re.search(r"^\s*norm\s+adamw\s+13\s.*\s0$", log, re.M)  # TOML: norm_weight_decay 0
+    assert "Muon orthogonalization plan" in log and "(S(0))" in log
+
+
+def test_checkpoint_from_fsdp2_resumes_under_tp2(
+    assets: Path, fsdp_runs: dict, tmp_path: Path
+) -> None:
+    ref, first = losses(fsdp_runs["ref"]), fsdp_runs["first"]
+    for s in range(1, SPLIT + 1):
+        assert first[s] == pytest.approx(ref[s], abs=1e-4), (s, first, ref)
+    corpus = _write_corpus(tmp_path / "corpus", fsdp_runs["docs"][SPLIT * BATCH :])
+    shutil.copytree(fsdp_runs["checkpoint"], tmp_path / "run" / "checkpoint")
+    log = run(
+        [
+            *_common(assets, corpus, tmp_path / "run", TOTAL),
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--checkpoint.enable",
+            "--checkpoint.exclude_from_loading",
+            "dataloader",
+        ],  # fmt: skip
+        tmp_path,
+    )
+    second = losses(log)
+    assert f"Training starts at step {SPLIT + 1}" in log, log[-3000:]
+    assert "S(1)" in log  # the plan shows TP placements (row-wise wo / w2)
+    assert sorted(second) == list(range(SPLIT + 1, TOTAL + 1))
+    for s in range(SPLIT + 1, TOTAL + 1):
+        assert second[s] == pytest.approx(ref[s], abs=2e-3), (s, second, ref)
+
+
+def test_fsdp2_x_tp2_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+    steps = 4
+    log = run(
+        [
+            "--hf_assets_path",
+            str(assets / "tokenizer"),
+            "--dataloader.dataset_path",
+            str(assets / "corpus"),
+            "--dump_folder",
+            str(tmp_path / "out"),
+            "--training.steps",
+            str(steps),
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],  # fmt: skip
+        tmp_path,
+        nproc=4,
+    )
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert got[steps] < got[1] - 0.3, f"loss did not fall: {got}"
+    assert "2x2" in log  # the plan's mesh: FSDP 2 x TP 2
