@@ -15,7 +15,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.validate import Validator
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.trainer import Trainer
 
@@ -49,6 +49,7 @@ def _muon_job(config: Trainer.Config, *, name: str, lr: float, steps: int) -> Tr
         enable=False, folder="checkpoint", interval=10, last_save_model_only=False
     )
     config.validator = Validator.Config(enable=False)
+    config.debug = DebugConfig(seed=42)
     return config
 
 
