@@ -20,8 +20,10 @@ ranks), so ranks on several overlapping meshes cannot wait on each other in a cy
 different pipeline stages, which own different parameters on different meshes, never compare.
 The cost is two small collectives per rank set at plan build only; steps run unchecked.
 
-A rank that has no parameter at all on a mesh its peers use does not take part in that mesh's
-check (it cannot know the mesh exists); its peers then fail at the collective timeout.
+Two cases are beyond a check at plan build and end at the collective timeout instead: a rank
+that has no parameter at all on a mesh its peers use (it cannot know the mesh exists), and a rank
+whose parameter list changes while its peers' does not (it alone rebuilds and checks, while its
+peers run their cached plan).
 Without ``param_names`` the names are positions, so two same-shape parameters swapped within a
 group cannot be told apart.
 """
