@@ -20,7 +20,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from muon_plugin import Muon, MuonForeach
-from muon_plugin.distributed.agreement import RankDisagreementError, disagreement_message
+from muon_plugin.distributed import RankDisagreementError
+from muon_plugin.distributed.agreement import disagreement_message
 
 SHAPES = {"a": (8, 6), "b": (8, 6), "c": (12, 6)}
 KWARGS = dict(lr=0.02, wd=0.1, momentum=0.9)
