@@ -1,10 +1,11 @@
 """Ranks that disagree on the Muon parameter list fail at plan build with one clear error.
 
-Spawned gloo processes (world sizes 2 and 4, FSDP2 ``Shard(0)`` and a 2 x 2 mesh): a group in
-another order on one rank, another set of same-size parameters with gradients, an extra
-parameter on one rank, another setting on one rank: every rank raises the same
-``RankDisagreementError`` naming the parameter and the ranks. An agreeing setup steps like one
-process, also after its plan is rebuilt, and the rebuilt plan is checked again.
+Spawned gloo processes (world sizes 2 and 4, FSDP2 ``Shard(0)``, a 2 x 2 mesh, plain tensors
+under ``replicate_group``): a group in another order on one rank, another set of same-size
+parameters with gradients, an extra parameter on one rank, another setting on one rank: every
+rank raises the same ``RankDisagreementError`` naming the parameter and the ranks. An agreeing
+setup steps like one process, also after its plan is rebuilt, and the rebuilt plan is checked
+again.
 """
 
 from __future__ import annotations
@@ -106,6 +107,15 @@ def case_mesh_2x2(rank: int, ws: int, driver) -> None:
     expect_same_error(opt, r"position 0 is 'a' on ranks \[0, 1, 2\], 'b' on rank 3 ")
 
 
+def case_replicated_plain(rank: int, ws: int, driver) -> None:
+    """Plain tensors replicated over ``replicate_group`` (DDP) are split over it: checked too."""
+    named = list(Mats(SHAPES, seed=3).named_parameters())
+    group = group_of(last_rank_swaps(rank, ws, named))
+    opt = driver([group], replicate_group=dist.group.WORLD, **KWARGS)
+    set_random_grads(named, 0)
+    expect_same_error(opt, rf"position 0 is 'a' on rank 0, 'b' on rank {ws - 1} ")
+
+
 def case_agree_then_rebuild(rank: int, ws: int, driver) -> None:
     """Agreeing ranks match one process, also after a rebuild; a rebuild is checked again."""
     named = fsdp_params(ws, seed=2)
@@ -135,6 +145,7 @@ def case_agree_then_rebuild(rank: int, ws: int, driver) -> None:
 def job_world2(rank: int, ws: int) -> None:
     case_reordered(rank, ws, Muon)
     case_different_set(rank, ws, MuonForeach)
+    case_replicated_plain(rank, ws, MuonForeach)
     case_agree_then_rebuild(rank, ws, Muon)
 
 
