@@ -77,6 +77,15 @@ def case_different_set(rank: int, ws: int, driver) -> None:
     expect_same_error(opt, r"parameter 'a' \(global shape \(8, 6\)\) is given on rank 0 but not")
 
 
+def case_different_set_unnamed(rank: int, ws: int, driver) -> None:
+    """Without ``param_names`` parameters are named by group position, not step position."""
+    named = fsdp_params(ws)
+    opt = driver([{"params": [p for _, p in named]}], **KWARGS)
+    set_random_grads(named, 0)
+    dict(named)["b" if rank == 0 else "a"].grad = None
+    expect_same_error(opt, r"parameter 'group 0 #0' .* is given on rank 0 but not")
+
+
 def case_extra_param(rank: int, ws: int, driver) -> None:
     """Different sizes: only the last rank has a gradient on ``c``."""
     named = fsdp_params(ws)
@@ -145,6 +154,7 @@ def case_agree_then_rebuild(rank: int, ws: int, driver) -> None:
 def job_world2(rank: int, ws: int) -> None:
     case_reordered(rank, ws, Muon)
     case_different_set(rank, ws, MuonForeach)
+    case_different_set_unnamed(rank, ws, Muon)
     case_replicated_plain(rank, ws, MuonForeach)
     case_agree_then_rebuild(rank, ws, Muon)
 
