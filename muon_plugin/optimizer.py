@@ -63,6 +63,9 @@ DEFAULTS: dict[str, Any] = {
 
 # Keys torch.optim or LR schedulers put into groups themselves.
 FOREIGN_GROUP_KEYS = {"params", "param_names", "initial_lr"}
+# Group settings of the elementwise math, besides the spec, that every rank of a mesh must share
+# (checked when a plan is built; ``lr`` is left out: schedulers change it every step).
+AGREED_GROUP_KEYS = ("momentum", "nesterov", "wd", "use_cautious_wd")
 KEY_HINTS = {"weight_decay": "wd", "betas": "adam_betas", "eps": "adam_eps"}
 
 
@@ -301,17 +304,20 @@ class Muon(Optimizer):
             for p, spec in zip(params, specs, strict=True)
         )
         if key != self._plan_key:
-            names = {
-                id(p): n
-                for g in self.param_groups
-                for p, n in zip(g["params"], g.get("param_names") or [], strict=False)
-            }
+            # Names (else group positions) and settings, which the ranks of a mesh must agree on.
+            names, settings = {}, {}
+            for gi, g in enumerate(self.param_groups):
+                given = g.get("param_names")
+                for j, p in enumerate(g["params"]):
+                    names[id(p)] = given[j] if given else f"group {gi} #{j}"
+                    settings[id(p)] = {k: _plain(g[k]) for k in AGREED_GROUP_KEYS}
             self._plan = plan_orthogonalization(
                 params,
                 specs,
                 batched=self.batched,
-                names=[names.get(id(p), f"#{i}") for i, p in enumerate(params)],
+                names=[names[id(p)] for p in params],
                 replicate_group=self.replicate_group,
+                settings=[settings[id(p)] for p in params],
             )
             self._plan_key = key
         assert self._plan is not None
@@ -383,6 +389,11 @@ class MuonForeach(Muon):
 
 
 # ---------------------------------------------------------------------- group rules
+
+
+def _plain(value: Any) -> Any:
+    """A group setting as a Python number when it is a one-element Tensor (device-free repr)."""
+    return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
 
 
 def momentum_dtype(param_dtype: torch.dtype) -> torch.dtype:
