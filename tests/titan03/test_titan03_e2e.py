@@ -108,6 +108,7 @@ def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
         "--training.steps", str(steps),
         "--training.local_batch_size", str(BATCH),
         "--lr_scheduler.warmup_steps", "2",
+        "--lr_scheduler.total_steps", str(TOTAL),  # the same schedule in the split runs
         "--checkpoint.interval", "1000",
     ]  # fmt: skip
 
