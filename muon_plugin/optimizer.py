@@ -573,8 +573,9 @@ class Muon(Optimizer):
             state[key] = entry
         super().load_state_dict({**state_dict, "state": state})
         for group in self.param_groups:  # groups saved before a setting existed get its default
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for key in DEFAULTS:
+                if key in self.defaults:
+                    group.setdefault(key, self.defaults[key])
         with torch.no_grad():
             for p, saved in held.items():
                 group, i = where[id(p)]
@@ -747,8 +748,8 @@ def validate_group(group: dict[str, Any]) -> None:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(
-                    f"{key} must be a number or a one-element Tensor, got a Tensor of shape "
-                    f"{tuple(value.shape)}"
+                    f"Tensor {key} must be 1-element (a number or a one-element Tensor), got "
+                    f"a Tensor of shape {tuple(value.shape)}"
                 )
             value = value.item()
         if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
@@ -771,7 +772,10 @@ def validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"split_sizes must be positive integers, got {split!r}")
     for i, p in enumerate(group["params"]):
         if p.is_complex():
-            raise ValueError(f"Muon cannot update complex {describe(group, i, p)}")
+            raise ValueError(
+                f"Muon does not support complex parameters: {describe(group, i, p)}; put it "
+                "in a group with algorithm='adamw'"
+            )
         if p.ndim < 2:
             raise ValueError(
                 f"Muon needs matrices (>= 2-D) but got {describe(group, i, p)}; "

@@ -80,7 +80,9 @@ def test_load_state_dict_without_names_is_by_position():
     fresh = clone_params(params)
     other = Muon([fresh[1], fresh[0]], lr=0.01)
     other.load_state_dict(copy.deepcopy(opt.state_dict()))
-    assert torch.equal(other.state[fresh[1]]["momentum_buffer"], opt.state[params[0]]["momentum_buffer"])
+    assert torch.equal(
+        other.state[fresh[1]]["momentum_buffer"], opt.state[params[0]]["momentum_buffer"]
+    )
 
 
 def test_load_state_dict_names_on_one_side_only_raise():
@@ -195,9 +197,17 @@ def lp_driver(**kwargs):
     return build
 
 
-@pytest.mark.parametrize("round_trip", round_trips(), ids=["deepcopy", "torch.save", "pickle"])
-@pytest.mark.parametrize("kind", ["Muon", "MuonForeach", "MuonLP-int8", "MuonLP-int4"])
-def test_copies_step_like_the_original(kind, round_trip):
+COPY_CASES = [
+    (kind, i)
+    for kind in ("Muon", "MuonForeach", "MuonLP-int8", "MuonLP-int4")
+    for i in range(3)
+    if not (kind.startswith("MuonLP") and i == 2)  # plain pickle: once per non-LP kind
+]
+
+
+@pytest.mark.parametrize(("kind", "trip"), COPY_CASES)
+def test_copies_step_like_the_original(kind, trip):
+    round_trip = round_trips()[trip]
     if kind == "Muon":
         driver = Muon
     elif kind == "MuonForeach":
@@ -267,7 +277,7 @@ def test_one_element_tensor_lr_works_like_a_float(driver, shape):
 
 
 def test_two_element_tensor_lr_raises_value_error_naming_lr():
-    with pytest.raises(ValueError, match="lr must be a number or a one-element Tensor"):
+    with pytest.raises(ValueError, match=r"Tensor lr must be 1-element.*shape \(2,\)"):
         Muon(make_params((8, 4)), lr=torch.tensor([0.01, 0.02]))
 
 
@@ -392,8 +402,13 @@ def nonfinite_grads(params, step, bad: dict[int, float]):
         params[k].grad[1, 2] = value
 
 
-@pytest.mark.parametrize("driver", DRIVERS + ["MuonLP-int8", "MuonLP-bf16"])
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+SKIP_CASES = [(d, v) for d in DRIVERS for v in (math.nan, math.inf, -math.inf)] + [
+    ("MuonLP-int8", math.nan),
+    ("MuonLP-bf16", math.inf),
+]
+
+
+@pytest.mark.parametrize(("driver", "value"), SKIP_CASES)
 def test_skip_nonfinite_keeps_weights_and_momentum_of_the_bad_matrix(driver, value):
     if driver == "MuonLP-int8":
         driver = lp_driver(state_dtype="int8", block_size=64)
