@@ -448,7 +448,8 @@ class Muon(Optimizer):
         device-to-host copy per step (the per-parameter flags).
         """
         norms = torch._foreach_norm(list(updates))
-        bad = [k for k, ok in enumerate(torch.stack(norms).isfinite().tolist()) if not ok]
+        finite = torch.stack([n.float() for n in norms]).isfinite().tolist()
+        bad = [k for k, ok in enumerate(finite) if not ok]
         out: dict[int, tuple[Tensor, Tensor]] = {}
         for k in bad:
             p = params[k]

@@ -216,7 +216,7 @@ def test_copies_step_like_the_original(kind, trip):
         driver = lp_driver(state_dtype="int8", block_size=64)
     else:
         driver = lp_driver(state_dtype="int4")
-    params = make_params((64, 128), (32, 64), (64,))
+    params = make_params((64, 64), (16, 32), (64,))
     groups = [
         {"params": params[:2], "param_names": ["w1", "w2"]},
         {"params": params[2:], "param_names": ["b"], "algorithm": "adamw"},
@@ -414,7 +414,7 @@ def test_skip_nonfinite_keeps_weights_and_momentum_of_the_bad_matrix(driver, val
         driver = lp_driver(state_dtype="int8", block_size=64)
     elif driver == "MuonLP-bf16":
         driver = lp_driver(state_dtype="bf16")
-    params = make_params((64, 128), (64, 128), (32, 64))
+    params = make_params((64, 64), (64, 64), (16, 32))
     twin = clone_params(params)
     opt = driver(params, lr=0.02, skip_nonfinite=True)
     ref = driver(twin[:1] + twin[2:], lr=0.02)  # the same optimizer without the bad matrix
