@@ -90,6 +90,11 @@ class MuonConfig:
     compile: bool = False
     """torch.compile the orthogonalization."""
 
+    skip_nonfinite: bool = False
+    """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
+    keeping its weights and momentum, instead of writing NaNs into them; skips are counted and
+    logged."""
+
     state_dtype: Literal["fp32", "bf16", "int8", "int4", "fp8"] = "fp32"
     """Dtype of the optimizer states: 'fp32' (Muon / MuonForeach); 'bf16', 'int8', 'int4',
     'fp8' select the low-precision MuonLP (needs torchao)."""
@@ -215,7 +220,14 @@ class MuonConfig:
             value = getattr(self, key)
             if value not in allowed:
                 raise _bad(key, value, "one of " + ", ".join(repr(a) for a in allowed))
-        for key in ("nesterov", "cautious_weight_decay", "compile", "log_plan", "flatten"):
+        for key in (
+            "nesterov",
+            "cautious_weight_decay",
+            "compile",
+            "log_plan",
+            "flatten",
+            "skip_nonfinite",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "true or false")
         for key in ("ns_steps", "block_size"):
@@ -230,7 +242,7 @@ class MuonConfig:
             value = getattr(self, key)
             if value is not None and (not _is_number(value) or not 0.0 <= value < 1.0):
                 raise _bad(key, value, "a number in [0, 1)")
-        if self.adam_eps is not None and (not _is_number(self.adam_eps) or self.adam_eps < 0):
+        if self.adam_eps is not None and (not _is_number(self.adam_eps) or not self.adam_eps >= 0):
             raise _bad("adam_eps", self.adam_eps, "a non-negative number")
         for c in PARAM_CLASSES:
             algorithm = getattr(self, f"{c}_algorithm")
@@ -240,7 +252,7 @@ class MuonConfig:
                 )
             for key in (f"{c}_lr", f"{c}_weight_decay"):
                 value = getattr(self, key)
-                if value is not None and (not _is_number(value) or value < 0):
+                if value is not None and (not _is_number(value) or not value >= 0):
                     raise _bad(key, value, "a non-negative number")
             patterns = getattr(self, f"{c}_patterns")
             if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
@@ -271,6 +283,41 @@ class MuonConfig:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+JOB_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""Values of the job's ``optimizer.implementation`` (the Adam kernel of the AdamW groups)."""
+
+
+def validate_job_optimizer(
+    *,
+    lr: Any,
+    weight_decay: Any,
+    eps: Any,
+    beta1: Any,
+    beta2: Any,
+    implementation: Any = "fused",
+    section: str = "optimizer",
+) -> None:
+    """Check the job-wide optimizer settings Muon groups are built from.
+
+    These are the front end's own fields (torchtitan's ``[optimizer]``), which it does not
+    check itself; errors name the key as ``section.field`` and the value.
+    """
+
+    def bad(key: str, value: Any, expected: str) -> ValueError:
+        return ValueError(f"{section}.{key}: invalid value {value!r}; expected {expected}")
+
+    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
+        if not _is_number(value) or not value >= 0 or value == float("inf"):
+            raise bad(key, value, "a finite number >= 0")
+    for key, value in (("beta1", beta1), ("beta2", beta2)):
+        if not _is_number(value) or not 0.0 <= value < 1.0:
+            raise bad(key, value, "a number in [0, 1)")
+    if implementation not in JOB_IMPLEMENTATIONS:
+        raise bad(
+            "implementation", implementation, "one of " + ", ".join(map(repr, JOB_IMPLEMENTATIONS))
+        )
 
 
 MUON_CONFIG_KEYS = tuple(f.name for f in fields(MuonConfig))

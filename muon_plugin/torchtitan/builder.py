@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from muon_plugin.param_groups.options import MuonConfig
+from muon_plugin.param_groups.options import MuonConfig, validate_job_optimizer
 from muon_plugin.param_groups.rules import (
     RuleSet,
     build_param_groups,
@@ -63,6 +63,8 @@ def optimizer_kwargs(optimizer_config: Any, cfg: MuonConfig) -> dict[str, Any]:
         "compile": cfg.compile,
         "lr_adjust": cfg.lr_adjust,
         "flatten": cfg.flatten,
+        # Passed only when set, so optimizers without the option still build by default.
+        **({"skip_nonfinite": True} if cfg.skip_nonfinite else {}),
     }
 
 
@@ -76,6 +78,47 @@ def low_precision_kwargs(cfg: MuonConfig) -> dict[str, Any]:
     return kwargs
 
 
+# Constructor / group keys of the optimizer core -> the job keys they come from.
+_CONFIG_KEYS: dict[str, str] = {
+    "lr": "optimizer.lr (or optimizer.muon.<class>_lr)",
+    "wd": "optimizer.weight_decay (or optimizer.muon.<class>_weight_decay)",
+    "adam_eps": "optimizer.eps (or optimizer.muon.adam_eps)",
+    "adam_betas": "optimizer.beta1 / optimizer.beta2 (or optimizer.muon.adam_beta1 / adam_beta2)",
+    "momentum": "optimizer.muon.momentum",
+    "ns_steps": "optimizer.muon.ns_steps",
+    "steps": "optimizer.muon.ns_steps",
+    "orthogonalization_strategy": "optimizer.muon.orthogonalization",
+    "strategy": "optimizer.muon.orthogonalization",
+    "lr_adjust": "optimizer.muon.lr_adjust",
+    "state_dtype": "optimizer.muon.state_dtype",
+    "block_size": "optimizer.muon.block_size",
+    "skip_nonfinite": "optimizer.muon.skip_nonfinite",
+    "flatten": "optimizer.muon.flatten",
+    "algorithm": "optimizer.muon.<class>_algorithm",
+}
+
+# Group keys a checkpoint restores: the LR scheduler owns lr / initial_lr (see load_state_dict).
+_SCHEDULED_KEYS = frozenset({"params", "lr", "initial_lr"})
+
+
+def with_config_key(error: Exception) -> Exception:
+    """``error`` (raised by the optimizer core) with the job key it comes from in front."""
+    import re
+
+    message = str(error)
+    for name, key in _CONFIG_KEYS.items():
+        if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message):
+            return type(error)(f"{key}: {message}")
+    return type(error)(f"optimizer.muon: {message}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # e.g. tensors
+        return a is b
+
+
 class MuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part built from
     the param groups of :func:`muon_plugin.param_groups.rules.build_param_groups`.
@@ -83,6 +126,8 @@ class MuonOptimizersContainer(OptimizersContainer):
     Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
     each param group), ``rules`` (the :class:`RuleSet` used).
     """
+
+    optimizer_name = "muon"
 
     def __init__(
         self,
@@ -106,12 +151,63 @@ class MuonOptimizersContainer(OptimizersContainer):
                 weight_decay=optimizer_kwargs["wd"],
                 used_patterns=used,
             )
-            self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
+            try:
+                optimizer = optimizer_cls(groups, **optimizer_kwargs)
+            except (ValueError, TypeError) as e:
+                raise with_config_key(e) from e
+            self.optimizers.append(optimizer)
             self.group_classes.append(classes)
             all_params.extend(p for _, p in named)
         check_unused_patterns(rules, used)
         self._validate_length(len(self.model_parts))
         self._post_init(all_params, optimizer_kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint, keeping this job's group settings.
+
+        ``torch.optim`` restores every saved group setting, which would silently override a
+        changed ``ns_steps``, ``weight_decay``, ``momentum``, ... of the resumed job. Here the
+        job wins for every key the plugin builds groups from; ``lr`` and ``initial_lr`` come
+        from the checkpoint, because torchtitan's LR scheduler resumes from its saved base
+        learning rates (as it does for AdamW). What changed is logged (rank 0) with the table.
+        """
+        wanted = [
+            [{k: v for k, v in g.items() if k not in _SCHEDULED_KEYS} for g in opt.param_groups]
+            for opt in self.optimizers
+        ]
+        job_lrs = [
+            [g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in self.optimizers
+        ]
+        super().load_state_dict(state_dict)
+        changes: list[str] = []
+        lr_notes: list[str] = []
+        for opt, groups, lrs, classes in zip(
+            self.optimizers, wanted, job_lrs, self.group_classes, strict=True
+        ):
+            for g, want, job_lr, c in zip(opt.param_groups, groups, lrs, classes, strict=True):
+                for k, v in want.items():
+                    if k != "param_names" and not _same(g.get(k), v):
+                        changes.append(f"{c}.{k}: {g.get(k)!r} (checkpoint) -> {v!r} (job)")
+                    g[k] = v
+                saved_lr = g.get("initial_lr", g["lr"])
+                if not _same(float(saved_lr), float(job_lr)):
+                    lr_notes.append(f"{c}: job {job_lr:.3g}, checkpoint {saved_lr:.3g}")
+        self.changes_on_load = changes
+        if (changes or lr_notes) and _is_rank0():
+            text = ""
+            if changes:
+                text += "Muon: the job's settings replace the checkpoint's: " + "; ".join(changes)
+            if lr_notes:
+                text += (
+                    ("\n" if text else "")
+                    + "Muon: base lr differs from the checkpoint's ("
+                    + "; ".join(lr_notes)
+                    + "): the LR scheduler resumes from the checkpoint's base lr, as torchtitan "
+                    "does for every optimizer; to apply a new lr, resume with "
+                    "--checkpoint.exclude_from_loading lr_scheduler (the schedule restarts)"
+                )
+            logger.warning(text)
+            logger.info(f"Muon param groups after loading the checkpoint:\n{self.format_rules()}")
 
     def format_rules(self) -> str:
         """The param-group table(s), one per model part."""
@@ -158,6 +254,14 @@ def build_muon_optimizers(
 ) -> MuonOptimizersContainer:
     """torchtitan ``build_optimizers_fn`` for ``optimizer.name = "muon"``."""
     _check_supported(optimizer_config, parallel_dims, ft_manager)
+    validate_job_optimizer(
+        lr=optimizer_config.lr,
+        weight_decay=optimizer_config.weight_decay,
+        eps=optimizer_config.eps,
+        beta1=optimizer_config.beta1,
+        beta2=optimizer_config.beta2,
+        implementation=getattr(optimizer_config, "implementation", "fused"),
+    )
     cfg = getattr(optimizer_config, "muon", None)
     if cfg is None:
         cfg = MuonConfig()
@@ -179,7 +283,8 @@ def build_muon_optimizers(
             f"{' (nesterov)' if cfg.nesterov else ''}, lr_adjust {cfg.lr_adjust}, "
             f"cautious wd {cfg.cautious_weight_decay}, adam betas {kwargs['adam_betas']} "
             f"eps {kwargs['adam_eps']}, fused adam {kwargs['fused_adam']}, "
-            f"state dtype {cfg.state_dtype}\nMuon param groups:\n{container.format_rules()}"
+            f"state dtype {cfg.state_dtype}, skip non-finite {cfg.skip_nonfinite}\n"
+            f"Muon param groups:\n{container.format_rules()}"
         )
     if cfg.log_plan:
         _log_plan_after_first_step(container)

@@ -12,7 +12,13 @@ global ``build_optimizers`` and then registers the expert-bias pre-step hook. :f
    load-balancing hook;
 2. wraps ``get_train_spec`` so that specs holding the original ``build_optimizers`` get the
    dispatcher (MoE specs are left as they are; specs with another, custom builder get a wrapper
-   that only intercepts ``"muon"``).
+   that only intercepts ``"muon"``), and that the spec's metrics processor records the run for
+   the end-of-run summary (:mod:`muon_plugin.torchtitan.summary`);
+3. wraps ``CheckpointManager.dcp_load`` to refuse, with a clear error, a checkpoint holding
+   another optimizer's state (:mod:`muon_plugin.torchtitan.checkpoint`).
+
+A ``None`` optimizer config (which torchtitan's own tests pass to custom builders) is never
+Muon.
 
 Code that imported ``build_optimizers`` or ``get_train_spec`` by value before this ran keeps
 the originals.
@@ -34,6 +40,10 @@ def is_muon(name: str) -> bool:
     return isinstance(name, str) and name.lower() == "muon"
 
 
+def _wants_muon(optimizer_config: Any) -> bool:
+    return is_muon(getattr(optimizer_config, "name", None))
+
+
 def build_optimizers(
     model_parts: Any,
     optimizer_config: Any,
@@ -41,7 +51,7 @@ def build_optimizers(
     ft_manager: Any = None,
 ) -> Any:
     """torchtitan's ``build_optimizers`` with ``optimizer.name = "muon"`` added."""
-    if is_muon(optimizer_config.name):
+    if _wants_muon(optimizer_config):
         from muon_plugin.torchtitan.builder import build_muon_optimizers
 
         return build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
@@ -59,7 +69,7 @@ setattr(build_optimizers, _MARK, True)
 def _wrap_custom_builder(fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
-        if is_muon(optimizer_config.name):
+        if _wants_muon(optimizer_config):
             from torchtitan.tools.logging import logger
 
             from muon_plugin.torchtitan.builder import build_muon_optimizers
@@ -76,18 +86,40 @@ def _wrap_custom_builder(fn: Any) -> Any:
     return wrapper
 
 
+def _with_summary(fn: Any) -> Any:
+    """A metrics-processor builder whose processor records the run for the summary."""
+    if fn is None:
+        from torchtitan.components.metrics import build_metrics_processor as fn
+
+    @functools.wraps(fn)
+    def build_metrics_processor(job_config: Any, *args: Any, **kwargs: Any) -> Any:
+        from muon_plugin.torchtitan.summary import attach
+
+        return attach(fn(job_config, *args, **kwargs), job_config)
+
+    setattr(build_metrics_processor, _MARK, True)
+    return build_metrics_processor
+
+
 def with_muon(spec: Any) -> Any:
-    """``spec`` whose ``build_optimizers_fn`` understands ``optimizer.name = "muon"``."""
+    """``spec`` whose ``build_optimizers_fn`` understands ``optimizer.name = "muon"`` and whose
+    metrics processor records the end-of-run summary."""
     import torchtitan.components.optimizer as optim_module
 
+    changes: dict[str, Any] = {}
+    metrics_fn = getattr(spec, "build_metrics_processor_fn", None)
+    if hasattr(spec, "build_metrics_processor_fn") and not getattr(metrics_fn, _MARK, False):
+        changes["build_metrics_processor_fn"] = _with_summary(metrics_fn)
     fn = spec.build_optimizers_fn
     if fn is None or getattr(fn, _MARK, False):
-        return spec
-    if fn is _original_build_optimizers:
-        return dataclasses.replace(spec, build_optimizers_fn=build_optimizers)
-    if fn is optim_module.build_optimizers_with_moe_load_balancing:
-        return spec  # calls the module global build_optimizers: already dispatched
-    return dataclasses.replace(spec, build_optimizers_fn=_wrap_custom_builder(fn))
+        pass
+    elif fn is _original_build_optimizers:
+        changes["build_optimizers_fn"] = build_optimizers
+    elif fn is optim_module.build_optimizers_with_moe_load_balancing:
+        pass  # calls the module global build_optimizers: already dispatched
+    else:
+        changes["build_optimizers_fn"] = _wrap_custom_builder(fn)
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 def install() -> None:
@@ -113,3 +145,7 @@ def install() -> None:
         train_spec_module.get_train_spec = get_train_spec
         if getattr(protocols, "get_train_spec", None) is get_spec:
             protocols.get_train_spec = get_train_spec
+
+    from muon_plugin.torchtitan.checkpoint import install as install_checkpoint_check
+
+    install_checkpoint_check()
