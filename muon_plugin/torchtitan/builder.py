@@ -179,19 +179,27 @@ class MuonOptimizersContainer(OptimizersContainer):
             [g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in self.optimizers
         ]
         super().load_state_dict(state_dict)
-        changes: list[str] = []
-        lr_notes: list[str] = []
+        changed: dict[tuple[str, str, str], list[str]] = {}
+        lr_changed: dict[tuple[str, str], list[str]] = {}
         for opt, groups, lrs, classes in zip(
             self.optimizers, wanted, job_lrs, self.group_classes, strict=True
         ):
             for g, want, job_lr, c in zip(opt.param_groups, groups, lrs, classes, strict=True):
                 for k, v in want.items():
                     if k != "param_names" and not _same(g.get(k), v):
-                        changes.append(f"{c}.{k}: {g.get(k)!r} (checkpoint) -> {v!r} (job)")
+                        changed.setdefault((k, repr(g.get(k)), repr(v)), []).append(c)
                     g[k] = v
                 saved_lr = g.get("initial_lr", g["lr"])
                 if not _same(float(saved_lr), float(job_lr)):
-                    lr_notes.append(f"{c}: job {job_lr:.3g}, checkpoint {saved_lr:.3g}")
+                    lr_changed.setdefault((f"{job_lr:.3g}", f"{saved_lr:.3g}"), []).append(c)
+        changes = [
+            f"{k}: {old} (checkpoint) -> {new} (job) in {', '.join(classes)}"
+            for (k, old, new), classes in changed.items()
+        ]
+        lr_notes = [
+            f"job {job}, checkpoint {saved} in {', '.join(classes)}"
+            for (job, saved), classes in lr_changed.items()
+        ]
         self.changes_on_load = changes
         if (changes or lr_notes) and _is_rank0():
             text = ""
