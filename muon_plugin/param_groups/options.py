@@ -79,13 +79,13 @@ class MuonConfig:
     for MoE experts)."""
 
     adam_beta1: float | None = None
-    """beta1 of the Adam(W) groups (default: optimizer.beta1)."""
+    """beta1 of the Adam(W) groups; unset (None): optimizer.beta1."""
 
     adam_beta2: float | None = None
-    """beta2 of the Adam(W) groups (default: optimizer.beta2)."""
+    """beta2 of the Adam(W) groups; unset (None): optimizer.beta2."""
 
     adam_eps: float | None = None
-    """Epsilon of the Adam(W) groups (default: optimizer.eps)."""
+    """Epsilon of the Adam(W) groups; unset (None): optimizer.eps."""
 
     compile: bool = False
     """torch.compile the orthogonalization."""
@@ -100,8 +100,8 @@ class MuonConfig:
     'fp8' select the low-precision MuonLP (needs torchao)."""
 
     block_size: int | None = None
-    """Elements per quantization scale of the low-precision states (MuonLP only; default:
-    MuonLP's own, torchao's block size for the chosen state_dtype)."""
+    """Elements per quantization scale of the low-precision states (MuonLP only); unset
+    (None): MuonLP's own, torchao's block size for the chosen state_dtype."""
 
     log_plan: bool = True
     """Log (rank 0) the param-group table at build time and the distributed orthogonalization
@@ -113,13 +113,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     matrix_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'matrix' class (default: muon)."""
+    """Algorithm of the 'matrix' class; unset (None): muon."""
 
     matrix_lr: float | None = None
-    """Learning rate of the 'matrix' class (default: optimizer.lr)."""
+    """Learning rate of the 'matrix' class; unset (None): optimizer.lr."""
 
     matrix_weight_decay: float | None = None
-    """Weight decay of the 'matrix' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'matrix' class; unset (None): optimizer.weight_decay."""
 
     # --- expert: 3-D stacks of MoE expert matrices ([experts, rows, cols])
     expert_patterns: list[str] = field(default_factory=list)
@@ -127,13 +127,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     expert_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'expert' class (default: muon)."""
+    """Algorithm of the 'expert' class; unset (None): muon."""
 
     expert_lr: float | None = None
-    """Learning rate of the 'expert' class (default: optimizer.lr)."""
+    """Learning rate of the 'expert' class; unset (None): optimizer.lr."""
 
     expert_weight_decay: float | None = None
-    """Weight decay of the 'expert' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'expert' class; unset (None): optimizer.weight_decay."""
 
     # --- router: MoE router / gate matrices (moe.router.gate.weight)
     router_patterns: list[str] = field(default_factory=list)
@@ -141,13 +141,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     router_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'router' class (default: adamw)."""
+    """Algorithm of the 'router' class; unset (None): adamw."""
 
     router_lr: float | None = None
-    """Learning rate of the 'router' class (default: optimizer.lr)."""
+    """Learning rate of the 'router' class; unset (None): optimizer.lr."""
 
     router_weight_decay: float | None = None
-    """Weight decay of the 'router' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'router' class; unset (None): optimizer.weight_decay."""
 
     # --- embedding: token embeddings (tok_embeddings.weight; also a tied output head)
     embedding_patterns: list[str] = field(default_factory=list)
@@ -155,13 +155,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     embedding_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'embedding' class (default: adamw)."""
+    """Algorithm of the 'embedding' class; unset (None): adamw."""
 
     embedding_lr: float | None = None
-    """Learning rate of the 'embedding' class (default: optimizer.lr)."""
+    """Learning rate of the 'embedding' class; unset (None): optimizer.lr."""
 
     embedding_weight_decay: float | None = None
-    """Weight decay of the 'embedding' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'embedding' class; unset (None): optimizer.weight_decay."""
 
     # --- output: the output head (output.weight, untied)
     output_patterns: list[str] = field(default_factory=list)
@@ -169,13 +169,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     output_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'output' class (default: adamw)."""
+    """Algorithm of the 'output' class; unset (None): adamw."""
 
     output_lr: float | None = None
-    """Learning rate of the 'output' class (default: optimizer.lr)."""
+    """Learning rate of the 'output' class; unset (None): optimizer.lr."""
 
     output_weight_decay: float | None = None
-    """Weight decay of the 'output' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'output' class; unset (None): optimizer.weight_decay."""
 
     # --- norm: normalization weights (attention_norm, ffn_norm, q_norm, norm ...)
     norm_patterns: list[str] = field(default_factory=list)
@@ -183,13 +183,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     norm_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'norm' class (default: adamw)."""
+    """Algorithm of the 'norm' class; unset (None): adamw."""
 
     norm_lr: float | None = None
-    """Learning rate of the 'norm' class (default: optimizer.lr)."""
+    """Learning rate of the 'norm' class; unset (None): optimizer.lr."""
 
     norm_weight_decay: float | None = None
-    """Weight decay of the 'norm' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'norm' class; unset (None): optimizer.weight_decay."""
 
     # --- other: biases, attention sinks, expert biases and other odd parameters
     other_patterns: list[str] = field(default_factory=list)
@@ -197,13 +197,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     other_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'other' class (default: adamw)."""
+    """Algorithm of the 'other' class; unset (None): adamw."""
 
     other_lr: float | None = None
-    """Learning rate of the 'other' class (default: optimizer.lr)."""
+    """Learning rate of the 'other' class; unset (None): optimizer.lr."""
 
     other_weight_decay: float | None = None
-    """Weight decay of the 'other' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'other' class; unset (None): optimizer.weight_decay."""
 
     def __post_init__(self) -> None:
         self.validate()
