@@ -21,7 +21,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 import muon_plugin.torchtitan  # noqa: E402,F401  (installs the hooks)
 from muon_plugin.torchtitan import register  # noqa: E402
 from muon_plugin.torchtitan.builder import with_config_key  # noqa: E402
-from muon_plugin.torchtitan.summary import attach  # noqa: E402
+from muon_plugin.torchtitan.summary import install_on  # noqa: E402
 
 PARALLEL_DIMS = SimpleNamespace(ep_enabled=False, pp_enabled=False)
 STEPS = 10
@@ -197,7 +197,8 @@ def spec_with_builder(fn):
 
 
 class FakeProcessor:
-    def __init__(self, skipped: int) -> None:
+    def __init__(self, skipped: int, job_config) -> None:
+        self.job_config = job_config
         self.optimizers = [SimpleNamespace(skipped_updates=skipped)]
         self.device_memory_monitor = SimpleNamespace(
             get_peak_stats=lambda: SimpleNamespace(max_reserved_gib=1.5)
@@ -215,7 +216,9 @@ def test_summary_and_skip_count(caplog, tmp_path) -> None:
     cfg = job_config("--job.dump_folder", str(tmp_path), "--checkpoint.enable")
     (tmp_path / "checkpoint" / "step-10").mkdir(parents=True)
     (tmp_path / "checkpoint" / "step-2").mkdir()
-    proc = attach(FakeProcessor(skipped=3), cfg)
+    install_on(FakeProcessor)
+    install_on(FakeProcessor)  # idempotent
+    proc = FakeProcessor(skipped=3, job_config=cfg)
     with caplog.at_level(logging.INFO):
         for step, loss in enumerate([4.0, 3.0, 2.0], start=1):
             proc.log(step, loss, loss, 1.0, {"n_tokens_seen": 100 * step, "lr": 1e-3})
@@ -231,6 +234,8 @@ def test_summary_and_skip_count(caplog, tmp_path) -> None:
     assert "Muon updates skipped (non-finite, rank 0): 3" in text
 
 
-def test_specs_record_the_summary() -> None:
-    fn = tt_spec.get_train_spec("llama3").build_metrics_processor_fn
-    assert getattr(fn, "_muon_plugin_hook", False)
+def test_torchtitans_metrics_processor_records_the_summary() -> None:
+    from torchtitan.components.metrics import MetricsProcessor
+
+    assert getattr(MetricsProcessor.log, "_muon_plugin_hook", False)
+    assert getattr(MetricsProcessor.close, "_muon_plugin_hook", False)

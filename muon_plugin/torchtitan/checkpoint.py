@@ -93,10 +93,14 @@ def install() -> None:
         if not from_hf and optimizers is not None and hasattr(optimizers, "model_parts"):
             from torch.distributed.checkpoint import FileSystemReader
 
-            saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            try:
+                saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            except OSError:  # no readable metadata: dcp.load reports that itself
+                saved = None
             inner = getattr(optimizers, "optimizers", None) or [optimizers]
             job = getattr(optimizers, "optimizer_name", None) or type(inner[0]).__name__
-            check_optimizer_state(optimizers, saved, checkpoint_id, job)
+            if saved is not None:
+                check_optimizer_state(optimizers, saved, checkpoint_id, job)
         return original(self, state_dict, checkpoint_id, *args, **kwargs)
 
     setattr(dcp_load, _MARK, True)

@@ -12,9 +12,10 @@ global ``build_optimizers`` and then registers the expert-bias pre-step hook. :f
    load-balancing hook;
 2. wraps ``get_train_spec`` so that specs holding the original ``build_optimizers`` get the
    dispatcher (MoE specs are left as they are; specs with another, custom builder get a wrapper
-   that only intercepts ``"muon"``), and that the spec's metrics processor records the run for
-   the end-of-run summary (:mod:`muon_plugin.torchtitan.summary`);
-3. wraps ``CheckpointManager.dcp_load`` to refuse, with a clear error, a checkpoint holding
+   that only intercepts ``"muon"``);
+3. wraps torchtitan's ``MetricsProcessor`` to log the end-of-run summary and Muon's skipped
+   updates (:mod:`muon_plugin.torchtitan.summary`);
+4. wraps ``CheckpointManager.dcp_load`` to refuse, with a clear error, a checkpoint holding
    another optimizer's state (:mod:`muon_plugin.torchtitan.checkpoint`).
 
 A ``None`` optimizer config (which torchtitan's own tests pass to custom builders) is never
@@ -86,40 +87,18 @@ def _wrap_custom_builder(fn: Any) -> Any:
     return wrapper
 
 
-def _with_summary(fn: Any) -> Any:
-    """A metrics-processor builder whose processor records the run for the summary."""
-    if fn is None:
-        from torchtitan.components.metrics import build_metrics_processor as fn
-
-    @functools.wraps(fn)
-    def build_metrics_processor(job_config: Any, *args: Any, **kwargs: Any) -> Any:
-        from muon_plugin.torchtitan.summary import attach
-
-        return attach(fn(job_config, *args, **kwargs), job_config)
-
-    setattr(build_metrics_processor, _MARK, True)
-    return build_metrics_processor
-
-
 def with_muon(spec: Any) -> Any:
-    """``spec`` whose ``build_optimizers_fn`` understands ``optimizer.name = "muon"`` and whose
-    metrics processor records the end-of-run summary."""
+    """``spec`` whose ``build_optimizers_fn`` understands ``optimizer.name = "muon"``."""
     import torchtitan.components.optimizer as optim_module
 
-    changes: dict[str, Any] = {}
-    metrics_fn = getattr(spec, "build_metrics_processor_fn", None)
-    if hasattr(spec, "build_metrics_processor_fn") and not getattr(metrics_fn, _MARK, False):
-        changes["build_metrics_processor_fn"] = _with_summary(metrics_fn)
     fn = spec.build_optimizers_fn
     if fn is None or getattr(fn, _MARK, False):
-        pass
-    elif fn is _original_build_optimizers:
-        changes["build_optimizers_fn"] = build_optimizers
-    elif fn is optim_module.build_optimizers_with_moe_load_balancing:
-        pass  # calls the module global build_optimizers: already dispatched
-    else:
-        changes["build_optimizers_fn"] = _wrap_custom_builder(fn)
-    return dataclasses.replace(spec, **changes) if changes else spec
+        return spec
+    if fn is _original_build_optimizers:
+        return dataclasses.replace(spec, build_optimizers_fn=build_optimizers)
+    if fn is optim_module.build_optimizers_with_moe_load_balancing:
+        return spec  # calls the module global build_optimizers: already dispatched
+    return dataclasses.replace(spec, build_optimizers_fn=_wrap_custom_builder(fn))
 
 
 def install() -> None:
@@ -149,3 +128,7 @@ def install() -> None:
     from muon_plugin.torchtitan.checkpoint import install as install_checkpoint_check
 
     install_checkpoint_check()
+
+    from muon_plugin.torchtitan.summary import install as install_summary
+
+    install_summary()

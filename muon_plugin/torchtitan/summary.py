@@ -2,7 +2,8 @@
 
 torchtitan 0.2.2's ``Trainer`` calls ``metrics_processor.log(step, loss, ...)`` at every log step
 (``metrics.log_freq``) and ``metrics_processor.close()`` once at the end (also after an error).
-:func:`attach` wraps those two methods of one processor: ``log`` records the loss, the global
+:func:`install` wraps those two methods of ``MetricsProcessor`` (and its ``__init__``, which
+starts the clock), whatever train spec built it: ``log`` records the loss, the global
 token count and the peak device memory (torchtitan resets the peak at each log), and warns
 (rank 0) when Muon skipped non-finite updates; ``close`` logs (rank 0) the summary::
 
@@ -17,6 +18,7 @@ Nothing here changes what torchtitan logs or computes.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -24,7 +26,9 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-__all__ = ["RunSummary", "attach", "skipped_updates"]
+__all__ = ["RunSummary", "install", "install_on", "skipped_updates"]
+
+_MARK = "_muon_plugin_hook"
 
 LAST_STEPS = 10
 """The summary's mean loss is over this many last logged steps."""
@@ -107,49 +111,62 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def attach(processor: Any, job_config: Any) -> Any:
-    """Record ``processor``'s logs and print the summary when it closes; returns it."""
-    if getattr(processor, "_muon_summary", None) is not None:
-        return processor
-    summary = RunSummary(job_config)
-    processor._muon_summary = summary
-    original_log, original_close = processor.log, processor.close
+def _summary(processor: Any) -> RunSummary:
+    summary = processor.__dict__.get("_muon_summary")
+    if summary is None:
+        summary = processor._muon_summary = RunSummary(getattr(processor, "job_config", None))
+    return summary
 
-    def log(
-        step: int,
-        global_avg_loss: float,
-        global_max_loss: float,
-        grad_norm: float,
-        extra_metrics: dict[str, Any] | None = None,
-    ) -> None:
-        try:
-            memory = processor.device_memory_monitor.get_peak_stats().max_reserved_gib
-        except Exception:  # a summary must never stop training
-            memory = 0.0
-        original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-        tokens = (extra_metrics or {}).get("n_tokens_seen")
-        summary.record(
-            step,
-            global_avg_loss,
-            None if tokens is None else int(tokens),
-            memory,
-            time.perf_counter(),
+
+def _record(processor: Any, original_log: Any, step: int, loss: float, *args: Any, **kwargs: Any):
+    try:
+        memory = processor.device_memory_monitor.get_peak_stats().max_reserved_gib
+    except Exception:  # a summary must never stop training
+        memory = 0.0
+    summary = _summary(processor)  # created before the first log: its clock starts earlier
+    original_log(processor, step, loss, *args, **kwargs)
+    extra = kwargs.get("extra_metrics", args[2] if len(args) > 2 else None) or {}
+    tokens = extra.get("n_tokens_seen")
+    summary.record(step, loss, None if tokens is None else int(tokens), memory, time.perf_counter())
+    skipped = skipped_updates(getattr(processor, "optimizers", None))
+    summary.skipped = skipped
+    if skipped and _is_rank0():
+        logger.warning(
+            f"Muon: {skipped} matrix updates skipped so far on rank 0 (non-finite "
+            "direction, optimizer.muon.skip_nonfinite = true)"
         )
-        skipped = skipped_updates(getattr(processor, "optimizers", None))
-        summary.skipped = skipped
-        if skipped and _is_rank0():
-            logger.warning(
-                f"Muon: {skipped} matrix updates skipped so far on rank 0 (non-finite "
-                "direction, optimizer.muon.skip_nonfinite = true)"
-            )
 
-    def close() -> None:
+
+def install_on(cls: Any) -> None:
+    """Wrap ``cls.__init__`` / ``log`` / ``close`` (a metrics-processor class) once."""
+    if getattr(cls.log, _MARK, False):
+        return
+    original_init, original_log, original_close = cls.__init__, cls.log, cls.close
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        _summary(self)
+
+    @functools.wraps(original_log)
+    def log(self: Any, step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> None:
+        _record(self, original_log, step, global_avg_loss, *args, **kwargs)
+
+    @functools.wraps(original_close)
+    def close(self: Any) -> None:
         try:
             if _is_rank0():
-                logger.info(summary.format())
+                logger.info(_summary(self).format())
         finally:
-            original_close()
+            original_close(self)
 
-    processor.log = log
-    processor.close = close
-    return processor
+    for fn in (__init__, log, close):
+        setattr(fn, _MARK, True)
+    cls.__init__, cls.log, cls.close = __init__, log, close
+
+
+def install() -> None:
+    """Record every torchtitan ``MetricsProcessor`` run for the summary (idempotent)."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    install_on(MetricsProcessor)
