@@ -141,7 +141,26 @@ class MuonLP(MuonForeach):
             raise KeyError("not a Muon parameter of this optimizer")
         return fmt
 
+    # ------------------------------------------------------------------ copies
+
+    config_attributes = (*MuonForeach.config_attributes, "state_dtype", "block_size")
+
+    def _rebuild_caches(self) -> None:
+        self._formats = {}
+        self._fallbacks = []
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                for p in group["params"]:
+                    self._formats[p] = choose_format(p, self.state_dtype, self.block_size)[0]
+        self._constructed = True
+
     # ------------------------------------------------------------------ step
+
+    def _init_momentum(self, p: Tensor) -> None:
+        fmt = self.state_format(p)
+        state = self.state[p]
+        if any(k not in state for k in fmt.keys):
+            state.update(fmt.zeros(p))
 
     def _momentum_directions(self, group: dict[str, Any], ps: list[Tensor]) -> list[Tensor]:
         directions = []

@@ -79,10 +79,38 @@ def validate_steps(steps: object, strategy: object) -> None:
         )
 
 
+def validate_coefficients(coefficients: object) -> None:
+    """Raise ValueError unless ``coefficients`` is None or three finite numbers ``(a, b, c)``."""
+    if coefficients is None:
+        return
+    ok = (
+        isinstance(coefficients, (tuple, list))
+        and len(coefficients) == 3
+        and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+            for c in coefficients
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}"
+        )
+
+
 @cache
-def coefficient_schedule(strategy: str, steps: int) -> Schedule:
-    """The coefficient schedule of ``strategy`` for ``steps`` iterations."""
+def coefficient_schedule(
+    strategy: str, steps: int, coefficients: Coefficients | None = None
+) -> Schedule:
+    """The coefficient schedule of ``strategy`` for ``steps`` iterations.
+
+    ``coefficients`` (torch.optim.Muon's ``ns_coefficients``) replace the strategy's schedule
+    by one fixed quintic for every step, with the input normalized by ``||X||_F`` alone.
+    """
     validate_steps(steps, strategy)
+    if coefficients is not None:
+        validate_coefficients(coefficients)
+        a, b, c = (float(x) for x in coefficients)
+        return Schedule(((a, b, c),) * steps, 1.0)
     if strategy == "newton_schulz":
         return Schedule((NEWTON_SCHULZ_COEFFICIENTS,) * steps, 1.0)
     s = POLAR_EXPRESS_SAFETY
@@ -114,6 +142,7 @@ def zeropower(
     eps: float = EPS,
     overwrite_input: bool = False,
     gram_space: bool | None = None,
+    coefficients: Coefficients | None = None,
 ) -> Tensor:
     """Approximate polar factor ``scale * U V^T`` of ``G`` (``..., m, n``), computed in bf16.
 
@@ -121,7 +150,8 @@ def zeropower(
     result costs nothing. The caller's tensor is left untouched unless ``overwrite_input`` is
     set and ``G`` is a contiguous bf16 scratch buffer, which may then be overwritten.
     ``gram_space`` picks :func:`iterate_gram` (True) or :func:`iterate` (False); by default
-    :func:`use_gram_iteration` decides from the shape.
+    :func:`use_gram_iteration` decides from the shape. ``coefficients`` replace the
+    strategy's schedule (see :func:`coefficient_schedule`).
 
     The input is divided by ``safety * ||G||_F`` (see :class:`Normalization`): where the
     first step's ``m x m`` products run in the Triton kernel that division is folded into
@@ -129,7 +159,9 @@ def zeropower(
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
-    schedule = coefficient_schedule(strategy, steps)
+    schedule = coefficient_schedule(
+        strategy, steps, None if coefficients is None else tuple(coefficients)
+    )
     shape = G.shape
     X = G.reshape(-1, shape[-2], shape[-1])
     if not (overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()):
@@ -140,6 +172,7 @@ def zeropower(
         gram_space = use_gram_iteration(wide)
     run = iterate_gram if gram_space else iterate
     normalize = Normalization(schedule.norm_safety, eps)
+    normalize.prescale_(X)
     X = run(wide, schedule.coefficients, scale, transpose_result=tall, normalize=normalize)
     return X.reshape(shape)
 
@@ -155,6 +188,26 @@ class Normalization:
 
     safety: float
     eps: float = EPS
+
+    # Matrices whose max-abs exceeds this are first scaled down by a power of two: the fp32
+    # sum of squares behind the norm (and the Gram matrix) overflows above ~1.8e19.
+    PRESCALE_ABOVE = 2.0**32
+
+    def prescale_(self, X: Tensor) -> None:
+        """Scale each matrix of the batch ``X`` whose max-abs is huge by a power of two, in place.
+
+        The polar factor does not depend on a positive scale, and a power of two is exact, so
+        this changes nothing for ordinary inputs (the factor is exactly 1) and lets inputs with
+        entries up to the dtype's maximum be orthogonalized like any other instead of giving
+        an overflowed norm (an exactly zero, or non-finite, result). Non-finite inputs stay
+        non-finite.
+        """
+        amax = torch.linalg.vector_norm(
+            X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
+        )
+        big = amax > self.PRESCALE_ABOVE
+        factor = torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0)
+        X.mul_(factor.to(X.dtype))
 
     def _inverse(self, norm: Tensor) -> Tensor:
         return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()
@@ -374,7 +427,8 @@ class MatrixSpec:
 
     ``split_sizes`` cut the rows (dim 0) into blocks orthogonalized independently (fused QKV);
     ``flatten`` views a >2-D parameter as ``(dim0, -1)`` (conv weights) instead of a batch of
-    matrices over its leading dims.
+    matrices over its leading dims. ``coefficients`` (one fixed quintic for every step) replace
+    the strategy's schedule when set; ``eps`` bounds the input norm from below.
     """
 
     steps: int = 5
@@ -383,6 +437,8 @@ class MatrixSpec:
     flatten: bool = False
     split_sizes: tuple[int, ...] | None = None
     compile: bool = False
+    coefficients: Coefficients | None = None
+    eps: float = EPS
 
     def matrix_view(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """``(batch, rows, cols)`` of the matrices a parameter of ``shape`` is made of."""
@@ -452,7 +508,15 @@ def _orthogonalize_stack(
     blocks = spec.row_blocks(param_shape)
     if len(blocks) == 1:
         factor = lr_shape_factor(rows, cols, spec.lr_adjust)
-        out = zeropower(M, spec.steps, spec.strategy, scale=factor, overwrite_input=scratch)
+        out = zeropower(
+            M,
+            spec.steps,
+            spec.strategy,
+            scale=factor,
+            eps=spec.eps,
+            overwrite_input=scratch,
+            coefficients=spec.coefficients,
+        )
         return out.reshape(X.shape)
     out = torch.empty(M.shape, dtype=torch.bfloat16, device=M.device)
     # Blocks of one size share a shape and a scale: orthogonalize them in one batched call.
@@ -461,7 +525,15 @@ def _orthogonalize_stack(
         picked = [s for s, b in zip(starts, blocks, strict=True) if b == size]
         stacked = torch.stack([M[:, s : s + size] for s in picked], dim=1)
         factor = lr_shape_factor(size, cols, spec.lr_adjust)
-        result = zeropower(stacked, spec.steps, spec.strategy, scale=factor, overwrite_input=True)
+        result = zeropower(
+            stacked,
+            spec.steps,
+            spec.strategy,
+            scale=factor,
+            eps=spec.eps,
+            overwrite_input=True,
+            coefficients=spec.coefficients,
+        )
         for j, s in enumerate(picked):
             out[:, s : s + size] = result[:, j]
     return out.reshape(X.shape)

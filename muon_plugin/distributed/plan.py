@@ -52,6 +52,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
 from muon_plugin.cuda_graphs import GraphedOrthogonalization, use_cuda_graph
+from muon_plugin.distributed.agreement import check_agreement
 from muon_plugin.distributed.groups import (
     Domain,
     group_domain,
@@ -459,6 +460,7 @@ def plan_orthogonalization(
     names: Sequence[str] | None = None,
     replicate_group: ProcessGroup | Any | None = None,
     prefetch: int = 2,
+    settings: Sequence[Any] | None = None,
 ) -> OrthogonalizationPlan:
     """Group ``params`` into shape groups, give every matrix one owner, schedule the traffic.
 
@@ -472,11 +474,15 @@ def plan_orthogonalization(
             (DDP): their matrices are then split over its ranks and the results all-gathered.
             Without it plain tensors are orthogonalized where they are.
         prefetch: shape groups whose gathers are in flight while one group computes.
+        settings: per parameter, further settings the ranks of its mesh must agree on (the
+            group's math settings).
 
     Raises:
         ValueError naming the parameter and its placements when a layout cannot be handled
         (Partial or unknown placements, a mesh this rank is not part of, a local shard that is
         not where the placements say).
+        RankDisagreementError (a ValueError) on every rank of a mesh whose ranks passed other
+        parameters, placements or settings (:mod:`~muon_plugin.distributed.agreement`).
     """
     params = list(params)
     specs = list(specs)
@@ -489,9 +495,18 @@ def plan_orthogonalization(
         if replicate_domain.size == 1:
             replicate_domain = None
 
+    placed = [_place(p, names[i], replicate_domain) for i, p in enumerate(params)]
+    extra = [None] * len(params) if settings is None else list(settings)
+    check_agreement(
+        params,
+        names,
+        [domain for domain, _ in placed],
+        [(spec, more) for spec, more in zip(specs, extra, strict=True)],
+        {"batched": batched, "prefetch": prefetch},
+    )
     groups: dict[tuple, ShapeGroup] = {}
     for i, (p, spec) in enumerate(zip(params, specs, strict=True)):
-        domain, layout = _place(p, names[i], replicate_domain)
+        domain, layout = placed[i]
         key = (tuple(p.shape), p.dtype, domain, layout.placements, spec)
         group = groups.get(key)
         if group is None:

@@ -1,0 +1,398 @@
+#!/usr/bin/env python
+"""Convergence benchmark: AdamW vs Muon vs MuonLP, real torchtitan runs on the local corpus.
+
+Every run is ``scripts/train.sh configs/llama3_convergence.toml`` (same model, data order,
+batch, sequence length, warm-up + cosine schedule and steps) with only the optimizer, its lr and
+the seed changed. The plan, in order (``--budget-s`` stops launching runs that would not fit):
+
+1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``),
+2. ``--seeds`` more seeds of each at its best lr (lowest final validation loss),
+3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
+   each seed.
+
+Every finished run is kept in ``OUT/curves.json`` (train and validation curves, tokens/s) and
+a rerun with the same ``--out`` skips it, so the plan can be split over several invocations.
+From all runs it prints (and writes to ``OUT/summary.md``): per run the final train loss (mean
+of the last 5% of steps), the final validation loss and the median tokens/s; per optimizer the
+steps it needs to reach AdamW's best validation loss (linear interpolation between evaluations
+of the seed-mean curve), and a PNG of the curves (``OUT/convergence.png``, needs matplotlib).
+Only ``--write-results`` touches RESULTS.md.
+
+    python scripts/bench_convergence.py --out results/convergence          # the H200 plan
+    python scripts/bench_convergence.py --smoke --out /tmp/conv           # CPU, 2 tiny runs
+    python scripts/bench_convergence.py --report-only --out results/convergence --write-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
+from bench_scaling import run_torchrun  # noqa: E402
+from bench_titan_tps import machine_text, parse_log  # noqa: E402
+from results_md import write_section  # noqa: E402
+
+CONFIG = ROOT / "configs" / "llama3_convergence.toml"
+VAL_RE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([-0-9.naNinf]+)")
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+# The job overrides that make each optimizer; everything else comes from the config.
+OPTIMIZER_ARGS = {
+    "adamw": ["--optimizer.name", "AdamW"],
+    "muon": ["--optimizer.name", "muon"],
+}
+LP_ARGS = {dtype: ["--optimizer.name", "muon", "--optimizer.muon.state_dtype", dtype]
+           for dtype in ("int8", "int4", "fp8")}  # fmt: skip
+DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3"}
+SMOKE_ARGS = [
+    "--model.flavor", "bench_tiny", "--training.local_batch_size", "2",
+    "--training.seq_len", "128", "--validation.local_batch_size", "2",
+    "--validation.seq_len", "128", "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "1",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the plan."""
+
+    optimizer: str  # "adamw", "muon" or "muonlp-<dtype>"
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.optimizer}-lr{self.lr:g}-seed{self.seed}"
+
+    def job_args(self) -> list[str]:
+        if self.optimizer.startswith("muonlp-"):
+            opt = LP_ARGS[self.optimizer.removeprefix("muonlp-")]
+        else:
+            opt = OPTIMIZER_ARGS[self.optimizer]
+        return [*opt, "--optimizer.lr", f"{self.lr:g}", "--debug.seed", str(self.seed)]
+
+
+def parse_curves(text: str) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """(train [[step, loss]], validation [[step, loss]], tps per logged step) of a run's log."""
+    text = ANSI_RE.sub("", text)
+    steps = parse_log("\n".join(line for line in text.splitlines() if "validate" not in line))
+    train = [[s, v["loss"]] for s, v in sorted(steps.items())]
+    tps = [v["tps"] for _, v in sorted(steps.items())]
+    val = {}
+    for line in text.splitlines():
+        m = VAL_RE.search(line)
+        if m:
+            val[int(m.group(1))] = float(m.group(2))
+    return train, [[s, v] for s, v in sorted(val.items())], tps
+
+
+def train_one(run: Run, args) -> dict:
+    """Run ``run`` through train.sh; its record (curves, tokens/s, status)."""
+    dump = args.out / "runs" / run.name
+    cmd = [
+        "bash", str(ROOT / "scripts" / "train.sh"), str(CONFIG), *run.job_args(),
+        "--training.steps", str(args.steps),
+        "--validation.freq", str(args.val_every),
+        "--validation.steps", str(args.val_steps),
+        "--metrics.log_freq", str(args.log_every),
+        "--job.dump_folder", str(dump),
+        *(SMOKE_ARGS if args.smoke else []), *args.extra,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("NPROC", str(args.nproc))
+    print(f"[bench_convergence] {run.name}: {' '.join(cmd[2:])}", flush=True)
+    start = time.monotonic()
+    text, rc = run_torchrun(cmd, args.timeout, cwd=ROOT, env=env)
+    wall = time.monotonic() - start
+    dump.mkdir(parents=True, exist_ok=True)
+    (dump / "train.log").write_text(text)
+    train, val, tps = parse_curves(text)
+    ok = rc == 0 and train and val and train[-1][0] == args.steps
+    if not ok:
+        print(text[-3000:], file=sys.stderr)
+    return {
+        **asdict(run),
+        "name": run.name,
+        "status": "ok" if ok else f"failed (rc {rc})",
+        "wall_s": round(wall, 1),
+        "steps": args.steps,
+        "train": train,
+        "val": val,
+        "tps": tps,
+    }
+
+
+# ---------------------------------------------------------------------------------- analysis
+
+
+def final_train_loss(record: dict) -> float:
+    """Mean train loss over the last 5% of steps (at least the last logged step)."""
+    cut = record["steps"] * 0.95
+    tail = [loss for step, loss in record["train"] if step > cut] or [record["train"][-1][1]]
+    return statistics.fmean(tail)
+
+
+def median_tps(record: dict) -> float:
+    tps = record["tps"][len(record["tps"]) // 10 + 1 :] or record["tps"]  # skip warm-up
+    return statistics.median(tps)
+
+
+def mean_curve(records: list[dict]) -> list[list[float]]:
+    """Seed-mean validation curve over the evaluation steps all ``records`` share."""
+    common = set.intersection(*({s for s, _ in r["val"]} for r in records))
+    return [
+        [s, statistics.fmean(dict(map(tuple, r["val"]))[s] for r in records)]
+        for s in sorted(common)
+    ]
+
+
+def steps_to_reach(curve: list[list[float]], target: float) -> float | None:
+    """First step where ``curve`` (evaluations) reaches ``target``, linearly interpolated."""
+    prev = None
+    for step, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            (s0, l0) = prev
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        prev = (step, loss)
+    return None
+
+
+def best_lr(records: list[dict], optimizer: str) -> float | None:
+    """The lr of ``optimizer`` whose seed-0 run ends with the lowest validation loss."""
+    sweep = [r for r in records if r["optimizer"] == optimizer and r["seed"] == 0 and r["val"]]
+    return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
+
+
+def plan(args, records: list[dict]) -> list[Run]:
+    """The runs still to do, in order (sweeps first; seeds and MuonLP once the sweep is done)."""
+    done = {r["name"] for r in records if r["status"] == "ok"}
+    runs = [
+        Run(opt, float(lr), 0)
+        for opt in args.optimizers
+        for lr in (args.lrs[opt] if not args.smoke else args.lrs[opt][:1])
+    ]
+    for opt in args.optimizers:
+        lr = best_lr(records, opt)
+        if lr is not None:
+            runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
+    muon_lr = best_lr(records, "muon")
+    if muon_lr is not None:
+        runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in [0, *args.seeds]]
+    seen: set[str] = set()
+    todo = []
+    for run in runs:
+        if run.name not in done and run.name not in seen:
+            seen.add(run.name)
+            todo.append(run)
+    return todo
+
+
+def summarize(records: list[dict]) -> tuple[str, dict]:
+    """Markdown tables of ``records`` and the headline numbers."""
+    ok = [r for r in records if r["status"] == "ok"]
+    lines = [
+        "| run | final train loss (last 5%) | final val loss | best val loss | tokens/s (median) "
+        "| wall s |",
+        "|" + " --- |" * 6,
+    ]
+    for r in sorted(ok, key=lambda r: (r["optimizer"], r["lr"], r["seed"])):
+        lines.append(
+            f"| {r['name']} | {final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
+            f"{min(v for _, v in r['val']):.4f} | {median_tps(r):,.0f} | {r['wall_s']:.0f} |"
+        )
+    for r in records:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |")
+    head: dict = {}
+    groups: dict[str, list[dict]] = {}
+    for opt in sorted({r["optimizer"] for r in ok}):
+        lr = best_lr(ok, opt) if not opt.startswith("muonlp-") else best_lr(ok, "muon")
+        chosen = [r for r in ok if r["optimizer"] == opt and r["lr"] == lr]
+        if chosen:
+            groups[opt] = chosen
+    adam = groups.get("adamw")
+    target = min(v for _, v in mean_curve(adam)) if adam else None
+    lines += [
+        "",
+        "| optimizer | best lr | seeds | final val loss (mean) | steps to AdamW's best val loss "
+        "| / AdamW's | tokens/s / AdamW's |",
+        "|" + " --- |" * 7,
+    ]
+    adam_steps = steps_to_reach(mean_curve(adam), target) if adam else None
+    adam_tps = statistics.fmean(median_tps(r) for r in adam) if adam else None
+    for opt, runs in groups.items():
+        curve = mean_curve(runs)
+        steps = steps_to_reach(curve, target) if target is not None else None
+        tps = statistics.fmean(median_tps(r) for r in runs)
+        ratio = steps / adam_steps if steps is not None and adam_steps else None
+        row = {
+            "lr": runs[0]["lr"],
+            "seeds": len(runs),
+            "final_val": curve[-1][1],
+            "steps_to_adamw_best": steps,
+            "steps_ratio": ratio,
+            "tps_ratio": tps / adam_tps if adam_tps else None,
+        }
+        head[opt] = row
+        cells = [
+            "not reached" if steps is None else f"{steps:.0f}",
+            "-" if ratio is None else f"{ratio:.2f}",
+            "-" if row["tps_ratio"] is None else f"{row['tps_ratio']:.3f}",
+        ]
+        lines.append(
+            f"| {opt} | {row['lr']:g} | {row['seeds']} | {row['final_val']:.4f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    muon = head.get("muon")
+    for opt, row in head.items():
+        if opt.startswith("muonlp-") and muon:
+            row["val_gap_vs_muon"] = row["final_val"] / muon["final_val"] - 1
+    return "\n".join(lines), head
+
+
+def plot(records: list[dict], path: Path) -> bool:
+    """Train and validation curves of every finished run as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in sorted((r for r in records if r["status"] == "ok"), key=lambda r: r["name"]):
+        steps, losses = zip(*r["train"], strict=True)
+        ax_t.plot(steps, losses, lw=0.8, label=r["name"])
+        vsteps, vlosses = zip(*r["val"], strict=True)
+        ax_v.plot(vsteps, vlosses, marker="o", ms=3, lw=1, label=r["name"])
+    for ax, title in ((ax_t, "train loss"), (ax_v, "validation loss")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_v.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_convergence")
+    p.add_argument("--optimizers", default="adamw,muon")
+    p.add_argument("--lrs-adamw", default=DEFAULT_LRS["adamw"])
+    p.add_argument("--lrs-muon", default=DEFAULT_LRS["muon"])
+    p.add_argument("--seeds", default="0,1", help="seeds at each optimizer's best lr")
+    p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--val-every", type=int, default=30)
+    p.add_argument("--val-steps", type=int, default=8)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--nproc", type=int, default=1, help="processes per run (train.sh NPROC)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--budget-s", type=float, default=float("inf"),
+                   help="launch no run that would end after this many seconds")  # fmt: skip
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check: tiny model, first lr of each optimizer")  # fmt: skip
+    p.add_argument("--report-only", action="store_true", help="no runs: report OUT/curves.json")
+    p.add_argument("--write-results", action="store_true", help="update RESULTS.md")
+    args = p.parse_args(argv)
+    args.extra = extra
+    args.out = args.out.resolve()
+    args.optimizers = [o for o in args.optimizers.split(",") if o]
+    for o in args.optimizers:
+        if o not in OPTIMIZER_ARGS:
+            p.error(f"--optimizers: unknown optimizer {o!r}; choose from {sorted(OPTIMIZER_ARGS)}")
+    args.lrs = {"adamw": args.lrs_adamw.split(","), "muon": args.lrs_muon.split(",")}
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.lp = [d for d in args.lp.split(",") if d]
+    for d in args.lp:
+        if d not in LP_ARGS:
+            p.error(f"--lp: unknown state dtype {d!r}; choose from {sorted(LP_ARGS)}")
+    if args.smoke:
+        args.seeds, args.lp = [0], []
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "curves.json"
+    data = json.loads(store.read_text()) if store.exists() else {"runs": []}
+    records: list[dict] = data["runs"]
+    start = time.monotonic()
+    while not args.report_only:
+        todo = plan(args, records)
+        if not todo:
+            break
+        walls = [r["wall_s"] for r in records if r["status"] == "ok"]
+        estimate = statistics.median(walls) if walls else 0.0
+        if time.monotonic() - start + estimate > args.budget_s:
+            print(f"[bench_convergence] budget reached; {len(todo)} runs left", flush=True)
+            break
+        record = train_one(todo[0], args)
+        records = [r for r in records if r["name"] != record["name"]] + [record]
+        data["runs"] = records
+        data["machine"] = machine_text(args.nproc)
+        data["date"] = datetime.date.today().isoformat()
+        store.write_text(json.dumps(data))
+        if record["status"] != "ok":
+            print(f"[bench_convergence] {record['name']} {record['status']}; stopping", flush=True)
+            break
+    table, head = summarize(records)
+    meta = (
+        f"{data.get('date', '?')}, {data.get('machine', '?')}; configs/llama3_convergence.toml"
+        f"{' (smoke)' if args.smoke else ''}, {args.steps} steps"
+        + (f", overrides `{' '.join(args.extra)}`" if args.extra else "")
+    )
+    png = args.out / "convergence.png"
+    plotted = plot(records, png)
+    verdicts = []
+    muon = head.get("muon")
+    if muon and muon["steps_ratio"] is not None:
+        verdicts.append(f"Muon reaches AdamW's best validation loss in {muon['steps_ratio']:.2f}"
+                        " of AdamW's steps (target <= 0.6)")  # fmt: skip
+    if muon and muon["tps_ratio"] is not None:
+        verdicts.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's (target >= 0.97)")
+    for opt, row in head.items():
+        if "val_gap_vs_muon" in row:
+            verdicts.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "
+                            "fp32-state Muon (target within 1%)")  # fmt: skip
+    text = "\n".join([meta, "", table, "", *(f"- {v}" for v in verdicts)])
+    (args.out / "summary.md").write_text(text + "\n")
+    (args.out / "summary.json").write_text(json.dumps({"meta": meta, "optimizers": head}, indent=1))
+    print(text)
+    if not plotted:
+        print("[bench_convergence] matplotlib not installed: no PNG", flush=True)
+    if args.write_results:
+        rel = png.relative_to(ROOT) if png.is_relative_to(ROOT) else png
+        body = "\n".join(["## Convergence (scripts/bench_convergence.py)", "", text, ""])
+        if plotted:
+            body += f"\n![train and validation loss]({rel})\n"
+        write_section(ROOT / "RESULTS.md", "bench_convergence", body)
+    failed = [r for r in records if r["status"] != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

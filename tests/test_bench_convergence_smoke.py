@@ -1,0 +1,92 @@
+"""CPU smoke test of scripts/bench_convergence.py: two tiny torchtitan runs, outputs checked.
+
+Checks what the script writes (the curves JSON, the summary tables, the PNG when matplotlib is
+installed) and the analysis on hand-made curves; the losses of the tiny runs are not judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_convergence as bc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_steps_to_reach_interpolates_between_evaluations():
+    curve = [[10, 5.0], [20, 4.0], [30, 3.0]]
+    assert bc.steps_to_reach(curve, 5.0) == 10.0
+    assert bc.steps_to_reach(curve, 3.5) == pytest.approx(25.0)
+    assert bc.steps_to_reach(curve, 2.9) is None
+
+
+def _record(opt, lr, seed, val, tps=100.0, steps=20):
+    return {
+        "optimizer": opt, "lr": lr, "seed": seed, "name": bc.Run(opt, lr, seed).name,
+        "status": "ok", "wall_s": 1.0, "steps": steps,
+        "train": [[s, 9.0 - s / 10] for s in range(1, steps + 1)],
+        "val": val, "tps": [tps] * steps,
+    }  # fmt: skip
+
+
+def test_summary_picks_best_lr_and_compares_with_adamw():
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 5.0], [20, 4.0]]),
+        _record("adamw", 2e-3, 0, [[10, 4.8], [20, 3.8]]),  # AdamW's best: 3.8 at step 20
+        _record("muon", 4e-3, 0, [[10, 3.8], [20, 3.0]], tps=97.0),  # reaches 3.8 at step 10
+        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]]),
+        _record("muonlp-int8", 4e-3, 0, [[10, 3.9], [20, 3.03]]),
+    ]
+    _, head = bc.summarize(records)
+    assert head["adamw"]["lr"] == 2e-3 and head["muon"]["lr"] == 4e-3
+    assert head["muon"]["steps_ratio"] == pytest.approx(0.5)
+    assert head["muon"]["tps_ratio"] == pytest.approx(0.97)
+    assert head["muonlp-int8"]["val_gap_vs_muon"] == pytest.approx(0.01)
+
+
+def test_plan_runs_sweep_then_seeds_then_lp():
+    args = bc.parse_args(["--lp", "int8", "--seeds", "0,1"])
+    first = bc.plan(args, [])
+    assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "adamw-lr0.001-seed1", "muon-lr0.002-seed1",
+        "muonlp-int8-lr0.002-seed0", "muonlp-int8-lr0.002-seed1",
+    ]  # fmt: skip
+
+
+def test_smoke_run_writes_its_outputs(tmp_path):
+    out = tmp_path / "conv"
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
+        "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
+        "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "curves.json").read_text())
+    assert sorted(r["optimizer"] for r in data["runs"]) == ["adamw", "muon"]
+    for run in data["runs"]:
+        assert run["status"] == "ok"
+        assert [s for s, _ in run["train"]] == [1, 2, 3]
+        assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["optimizers"]) == {"adamw", "muon"}
+    assert "steps to AdamW's best val loss" in (out / "summary.md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
