@@ -12,12 +12,16 @@
 #   once done); PYTHON=/path/to/python uses your own environment instead, with no set-up;
 # - builds the local corpus and tokenizer (scripts/prepare_data.py -> data/) on first use;
 # - NPROC processes: $NPROC if set, else one per GPU, else 2 on a CPU-only machine;
+# - checks a TOML CONFIG and the overrides first, in one process (muon_plugin.torchtitan.check):
+#   a typo or a bad value is one line naming the key, before any worker starts;
 # - torchrun --standalone --nproc_per_node $NPROC -m torchtitan.train --job.config_file CONFIG ...
-#   (only local rank 0 prints; LOG_RANK=0,1 shows more)
+#   (only local rank 0 prints; LOG_RANK=0,1 shows more);
+# - logs to DUMP_FOLDER/logs/<date-time>/: train.log (what this prints) and ranks/ (every rank's
+#   stdout and stderr, from torchrun --log-dir); the path is printed at start and end.
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 
@@ -54,6 +58,15 @@ else
     PYTHON="$ROOT/.venv/bin/python"
 fi
 
+export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
+HELP=0
+for arg in "$@"; do [[ "$arg" == "--help" || "$arg" == "-h" ]] && HELP=1; done
+DUMP_FOLDER=""
+if [[ "$HELP" == 0 && "$RELEASE" == 0.2.2 ]]; then
+    # One line naming the key and exit 2 on a bad config; prints the job's dump folder.
+    DUMP_FOLDER="$("$PYTHON" -m muon_plugin.torchtitan.check "$CONFIG" "$@")" || exit 2
+fi
+
 # Local data (idempotent: a no-op once data/ is up to date).
 DATA_DIR="${DATA_DIR:-data}"
 "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
@@ -66,18 +79,31 @@ fi
 # Everything is local: never try to reach a model/dataset hub.
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
-export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
-if [[ "$NPROC" -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
+export PYTHONUNBUFFERED=1
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    # One share of the cores per process (torchrun would set 1 for several, nothing for one).
     CORES="$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))' 2>/dev/null || echo 1)"
     export OMP_NUM_THREADS=$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))
 fi
 
 # LOG_RANK: which local ranks print (comma separated; default 0), as torchtitan's run_train.sh.
+TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC"
+    --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3)
 if [[ "$RELEASE" == 0.3 ]]; then
-    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-        --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-        -m muon_plugin.torchtitan03.train --module "$CONFIG_MODULE" --config "$CONFIG_FN" "$@"
+    TRAIN=(-m muon_plugin.torchtitan03.train --module "$CONFIG_MODULE" --config "$CONFIG_FN" "$@")
+else
+    TRAIN=(-m torchtitan.train --job.config_file "$CONFIG" "$@")
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-    --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-    -m torchtitan.train --job.config_file "$CONFIG" "$@"
+if [[ -z "$DUMP_FOLDER" ]]; then
+    exec "${TORCHRUN[@]}" "${TRAIN[@]}"
+fi
+LOG_DIR="$DUMP_FOLDER/logs/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$LOG_DIR"
+export MUON_RUN_LOG="$LOG_DIR/train.log"
+echo "train.sh: log: $MUON_RUN_LOG (every rank: $LOG_DIR/ranks)"
+set +e
+"${TORCHRUN[@]}" --log-dir "$LOG_DIR/ranks" "${TRAIN[@]}" 2>&1 | tee "$MUON_RUN_LOG"
+STATUS=${PIPESTATUS[0]}
+set -e
+echo "train.sh: log: $MUON_RUN_LOG (every rank: $LOG_DIR/ranks)"
+exit "$STATUS"

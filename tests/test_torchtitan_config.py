@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -115,6 +116,8 @@ def test_help_lists_every_option_with_docstrings(capsys, monkeypatch) -> None:
     assert "Number of orthogonalization iterations" in out
     assert "0.2*sqrt(max(rows, cols))" in out
     assert "Settings of optimizer.name" in out or "Muon optimizer (muon_plugin)" in out
+    assert not re.search(r"\(default: [^)]*\)\. \(default:", out)  # one default per option
+    assert "unset (None)" in out
 
 
 def test_unknown_key_in_muon_section(tmp_path: Path) -> None:

@@ -210,7 +210,9 @@ def test_param_groups_per_class_settings() -> None:
     assert sum(len(g["params"]) for g in groups) == len(named)
     table = format_rules_table(groups, classes)
     header, _, first = table.splitlines()[:3]
-    assert header.split() == ["class", "algorithm", "count", "#params", "lr", "weight", "decay"]
+    assert header.split() == [
+        "class", "algorithm", "count", "#params", "lr", "muon", "lr", "weight", "decay"
+    ]  # fmt: skip
     assert first.split()[:2] == ["matrix", "muon"]
     assert table.splitlines()[-1].startswith("total")
 

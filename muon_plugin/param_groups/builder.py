@@ -12,6 +12,7 @@ orthogonalization plan. Nothing here imports torchtitan.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,37 @@ def optimizer_kwargs(base: BaseHyperparams, cfg: MuonConfig) -> dict[str, Any]:
         "compile": cfg.compile,
         "lr_adjust": cfg.lr_adjust,
         "flatten": cfg.flatten,
+        **({"skip_nonfinite": True} if cfg.skip_nonfinite else {}),
     }
+
+
+# Constructor / group keys of the optimizer core -> the job keys they come from.
+CONFIG_KEYS: dict[str, str] = {
+    "lr": "optimizer.lr (or optimizer.muon.<class>_lr)",
+    "wd": "optimizer.weight_decay (or optimizer.muon.<class>_weight_decay)",
+    "adam_eps": "optimizer.eps (or optimizer.muon.adam_eps)",
+    "adam_betas": "optimizer.beta1 / optimizer.beta2 (or optimizer.muon.adam_beta1 / adam_beta2)",
+    "momentum": "optimizer.muon.momentum",
+    "ns_steps": "optimizer.muon.ns_steps",
+    "steps": "optimizer.muon.ns_steps",
+    "orthogonalization_strategy": "optimizer.muon.orthogonalization",
+    "strategy": "optimizer.muon.orthogonalization",
+    "lr_adjust": "optimizer.muon.lr_adjust",
+    "state_dtype": "optimizer.muon.state_dtype",
+    "block_size": "optimizer.muon.block_size",
+    "skip_nonfinite": "optimizer.muon.skip_nonfinite",
+    "flatten": "optimizer.muon.flatten",
+    "algorithm": "optimizer.muon.<class>_algorithm",
+}
+
+
+def with_config_key(error: Exception) -> Exception:
+    """``error`` (raised by the optimizer core) with the job key it comes from in front."""
+    message = str(error)
+    for name, key in CONFIG_KEYS.items():
+        if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message):
+            return type(error)(f"{key}: {message}")
+    return type(error)(f"optimizer.muon: {message}")
 
 
 def low_precision_kwargs(cfg: MuonConfig) -> dict[str, Any]:
@@ -143,7 +174,10 @@ def build_part_optimizers(
         groups, classes = build_param_groups(
             named, rules, lr=kwargs["lr"], weight_decay=kwargs["wd"], used_patterns=used
         )
-        optimizers.append(optimizer_cls(groups, **kwargs))
+        try:
+            optimizers.append(optimizer_cls(groups, **kwargs))
+        except (ValueError, TypeError) as e:
+            raise with_config_key(e) from e
         group_classes.append(classes)
         all_params.extend(p for _, p in named)
     check_unused_patterns(rules, used)
@@ -182,7 +216,8 @@ def format_build_summary(built: PartOptimizers, cfg: MuonConfig) -> str:
         f"{' (nesterov)' if cfg.nesterov else ''}, lr_adjust {cfg.lr_adjust}, "
         f"cautious wd {cfg.cautious_weight_decay}, adam betas {kw['adam_betas']} "
         f"eps {kw['adam_eps']}, fused adam {kw['fused_adam']}, "
-        f"state dtype {cfg.state_dtype}\nMuon param groups:\n"
+        f"state dtype {cfg.state_dtype}, skip non-finite {cfg.skip_nonfinite}\n"
+        "Muon param groups:\n"
         f"{format_rules(built.optimizers, built.group_classes)}"
     )
 

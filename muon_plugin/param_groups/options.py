@@ -79,24 +79,29 @@ class MuonConfig:
     for MoE experts)."""
 
     adam_beta1: float | None = None
-    """beta1 of the Adam(W) groups (default: optimizer.beta1)."""
+    """beta1 of the Adam(W) groups; unset (None): optimizer.beta1."""
 
     adam_beta2: float | None = None
-    """beta2 of the Adam(W) groups (default: optimizer.beta2)."""
+    """beta2 of the Adam(W) groups; unset (None): optimizer.beta2."""
 
     adam_eps: float | None = None
-    """Epsilon of the Adam(W) groups (default: optimizer.eps)."""
+    """Epsilon of the Adam(W) groups; unset (None): optimizer.eps."""
 
     compile: bool = False
     """torch.compile the orthogonalization."""
+
+    skip_nonfinite: bool = False
+    """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
+    keeping its weights and momentum, instead of writing NaNs into them; skips are counted and
+    logged."""
 
     state_dtype: Literal["fp32", "bf16", "int8", "int4", "fp8"] = "fp32"
     """Dtype of the optimizer states: 'fp32' (Muon / MuonForeach); 'bf16', 'int8', 'int4',
     'fp8' select the low-precision MuonLP (needs torchao)."""
 
     block_size: int | None = None
-    """Elements per quantization scale of the low-precision states (MuonLP only; default:
-    MuonLP's own, torchao's block size for the chosen state_dtype)."""
+    """Elements per quantization scale of the low-precision states (MuonLP only); unset
+    (None): MuonLP's own, torchao's block size for the chosen state_dtype."""
 
     log_plan: bool = True
     """Log (rank 0) the param-group table at build time and the distributed orthogonalization
@@ -108,13 +113,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     matrix_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'matrix' class (default: muon)."""
+    """Algorithm of the 'matrix' class; unset (None): muon."""
 
     matrix_lr: float | None = None
-    """Learning rate of the 'matrix' class (default: optimizer.lr)."""
+    """Learning rate of the 'matrix' class; unset (None): optimizer.lr."""
 
     matrix_weight_decay: float | None = None
-    """Weight decay of the 'matrix' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'matrix' class; unset (None): optimizer.weight_decay."""
 
     # --- expert: 3-D stacks of MoE expert matrices ([experts, rows, cols])
     expert_patterns: list[str] = field(default_factory=list)
@@ -122,13 +127,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     expert_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'expert' class (default: muon)."""
+    """Algorithm of the 'expert' class; unset (None): muon."""
 
     expert_lr: float | None = None
-    """Learning rate of the 'expert' class (default: optimizer.lr)."""
+    """Learning rate of the 'expert' class; unset (None): optimizer.lr."""
 
     expert_weight_decay: float | None = None
-    """Weight decay of the 'expert' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'expert' class; unset (None): optimizer.weight_decay."""
 
     # --- router: MoE router / gate matrices (moe.router.gate.weight)
     router_patterns: list[str] = field(default_factory=list)
@@ -136,13 +141,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     router_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'router' class (default: adamw)."""
+    """Algorithm of the 'router' class; unset (None): adamw."""
 
     router_lr: float | None = None
-    """Learning rate of the 'router' class (default: optimizer.lr)."""
+    """Learning rate of the 'router' class; unset (None): optimizer.lr."""
 
     router_weight_decay: float | None = None
-    """Weight decay of the 'router' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'router' class; unset (None): optimizer.weight_decay."""
 
     # --- embedding: token embeddings (tok_embeddings.weight; also a tied output head)
     embedding_patterns: list[str] = field(default_factory=list)
@@ -150,13 +155,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     embedding_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'embedding' class (default: adamw)."""
+    """Algorithm of the 'embedding' class; unset (None): adamw."""
 
     embedding_lr: float | None = None
-    """Learning rate of the 'embedding' class (default: optimizer.lr)."""
+    """Learning rate of the 'embedding' class; unset (None): optimizer.lr."""
 
     embedding_weight_decay: float | None = None
-    """Weight decay of the 'embedding' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'embedding' class; unset (None): optimizer.weight_decay."""
 
     # --- output: the output head (output.weight, untied)
     output_patterns: list[str] = field(default_factory=list)
@@ -164,13 +169,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     output_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'output' class (default: adamw)."""
+    """Algorithm of the 'output' class; unset (None): adamw."""
 
     output_lr: float | None = None
-    """Learning rate of the 'output' class (default: optimizer.lr)."""
+    """Learning rate of the 'output' class; unset (None): optimizer.lr."""
 
     output_weight_decay: float | None = None
-    """Weight decay of the 'output' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'output' class; unset (None): optimizer.weight_decay."""
 
     # --- norm: normalization weights (attention_norm, ffn_norm, q_norm, norm ...)
     norm_patterns: list[str] = field(default_factory=list)
@@ -178,13 +183,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     norm_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'norm' class (default: adamw)."""
+    """Algorithm of the 'norm' class; unset (None): adamw."""
 
     norm_lr: float | None = None
-    """Learning rate of the 'norm' class (default: optimizer.lr)."""
+    """Learning rate of the 'norm' class; unset (None): optimizer.lr."""
 
     norm_weight_decay: float | None = None
-    """Weight decay of the 'norm' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'norm' class; unset (None): optimizer.weight_decay."""
 
     # --- other: biases, attention sinks, expert biases and other odd parameters
     other_patterns: list[str] = field(default_factory=list)
@@ -192,13 +197,13 @@ class MuonConfig:
     class, checked before the default rules; a pattern matching nothing is an error."""
 
     other_algorithm: Literal["muon", "adamw", "adam"] | None = None
-    """Algorithm of the 'other' class (default: adamw)."""
+    """Algorithm of the 'other' class; unset (None): adamw."""
 
     other_lr: float | None = None
-    """Learning rate of the 'other' class (default: optimizer.lr)."""
+    """Learning rate of the 'other' class; unset (None): optimizer.lr."""
 
     other_weight_decay: float | None = None
-    """Weight decay of the 'other' class (default: optimizer.weight_decay)."""
+    """Weight decay of the 'other' class; unset (None): optimizer.weight_decay."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -215,7 +220,14 @@ class MuonConfig:
             value = getattr(self, key)
             if value not in allowed:
                 raise _bad(key, value, "one of " + ", ".join(repr(a) for a in allowed))
-        for key in ("nesterov", "cautious_weight_decay", "compile", "log_plan", "flatten"):
+        for key in (
+            "nesterov",
+            "cautious_weight_decay",
+            "compile",
+            "log_plan",
+            "flatten",
+            "skip_nonfinite",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "true or false")
         for key in ("ns_steps", "block_size"):
@@ -230,7 +242,7 @@ class MuonConfig:
             value = getattr(self, key)
             if value is not None and (not _is_number(value) or not 0.0 <= value < 1.0):
                 raise _bad(key, value, "a number in [0, 1)")
-        if self.adam_eps is not None and (not _is_number(self.adam_eps) or self.adam_eps < 0):
+        if self.adam_eps is not None and (not _is_number(self.adam_eps) or not self.adam_eps >= 0):
             raise _bad("adam_eps", self.adam_eps, "a non-negative number")
         for c in PARAM_CLASSES:
             algorithm = getattr(self, f"{c}_algorithm")
@@ -240,7 +252,7 @@ class MuonConfig:
                 )
             for key in (f"{c}_lr", f"{c}_weight_decay"):
                 value = getattr(self, key)
-                if value is not None and (not _is_number(value) or value < 0):
+                if value is not None and (not _is_number(value) or not value >= 0):
                     raise _bad(key, value, "a non-negative number")
             patterns = getattr(self, f"{c}_patterns")
             if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
@@ -271,6 +283,41 @@ class MuonConfig:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+JOB_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""Values of the job's ``optimizer.implementation`` (the Adam kernel of the AdamW groups)."""
+
+
+def validate_job_optimizer(
+    *,
+    lr: Any,
+    weight_decay: Any,
+    eps: Any,
+    beta1: Any,
+    beta2: Any,
+    implementation: Any = "fused",
+    section: str = "optimizer",
+) -> None:
+    """Check the job-wide optimizer settings Muon groups are built from.
+
+    These are the front end's own fields (torchtitan's ``[optimizer]``), which it does not
+    check itself; errors name the key as ``section.field`` and the value.
+    """
+
+    def bad(key: str, value: Any, expected: str) -> ValueError:
+        return ValueError(f"{section}.{key}: invalid value {value!r}; expected {expected}")
+
+    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
+        if not _is_number(value) or not value >= 0 or value == float("inf"):
+            raise bad(key, value, "a finite number >= 0")
+    for key, value in (("beta1", beta1), ("beta2", beta2)):
+        if not _is_number(value) or not 0.0 <= value < 1.0:
+            raise bad(key, value, "a number in [0, 1)")
+    if implementation not in JOB_IMPLEMENTATIONS:
+        raise bad(
+            "implementation", implementation, "one of " + ", ".join(map(repr, JOB_IMPLEMENTATIONS))
+        )
 
 
 MUON_CONFIG_KEYS = tuple(f.name for f in fields(MuonConfig))

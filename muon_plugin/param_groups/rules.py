@@ -305,14 +305,87 @@ def build_param_groups(
     return groups, group_classes
 
 
+CLASS_OPTIONS: tuple[str, ...] = tuple(
+    f"{c}_{k}" for c in PARAM_CLASSES for k in ("patterns", "algorithm", "lr", "weight_decay")
+)
+"""The per-class options :func:`muon_param_groups` accepts (``output_algorithm``, ...)."""
+
+
+def muon_param_groups(
+    model: Any,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Param groups for :class:`muon_plugin.Muon` by the plugin's rules, without torchtitan.
+
+    ``model``: an ``nn.Module`` (its trainable ``named_parameters()``) or ``(name, param)``
+    pairs. ``options``: per-class settings named as in ``[optimizer.muon]``
+    (``output_algorithm="muon"``, ``norm_weight_decay=0.0``, ``embedding_lr=3e-3``,
+    ``matrix_patterns=["layers.*"]``, ...). Matrices and expert stacks go to Muon; embeddings,
+    the output head, routers, norms, biases and other vectors to AdamW (see the module
+    docstring). Each group carries ``param_names`` (checkpoints match state by name).
+    """
+    unknown = sorted(set(options) - set(CLASS_OPTIONS))
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], CLASS_OPTIONS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"muon_param_groups: unknown option {unknown[0]!r}{hint}; per-class options are "
+            "<class>_patterns, <class>_algorithm, <class>_lr, <class>_weight_decay for class "
+            f"in {PARAM_CLASSES}"
+        )
+    for key in ("lr", "weight_decay"):
+        value = {"lr": lr, "weight_decay": weight_decay}[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"muon_param_groups: {key} must be a number >= 0, got {value!r}")
+    rules = RuleSet(
+        {
+            c: ClassSettings(
+                algorithm=options.get(f"{c}_algorithm") or DEFAULT_ALGORITHMS[c],
+                lr=options.get(f"{c}_lr"),
+                weight_decay=options.get(f"{c}_weight_decay"),
+                patterns=list(options.get(f"{c}_patterns") or []),
+            )
+            for c in PARAM_CLASSES
+        },
+        option_prefix="",
+    )
+    if hasattr(model, "named_parameters"):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        named = list(model)
+    groups, _ = build_param_groups(named, rules, lr=lr, weight_decay=weight_decay)
+    return groups
+
+
 def numel(p: Any) -> int:
     """Global number of elements (DTensor-aware: ``numel()`` of a DTensor is global)."""
     return int(p.numel())
 
 
+def muon_lr_range(group: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The smallest and largest learning rate a Muon group applies after ``lr_adjust`` (its
+    ``lr`` times each matrix's shape factor); ``None`` for Adam(W) groups."""
+    if group.get("algorithm", "muon") != "muon" or not group["params"]:
+        return None
+    from muon_plugin.orthogonalize import MatrixSpec, lr_shape_factor
+
+    spec = MatrixSpec(flatten=bool(group.get("flatten", False)))
+    rule = group.get("lr_adjust", "keller")
+    factors = [
+        lr_shape_factor(*spec.matrix_view(tuple(p.shape))[1:], rule) for p in group["params"]
+    ]
+    return group["lr"] * min(factors), group["lr"] * max(factors)
+
+
 def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[str]) -> str:
-    """A plain-text table: class, algorithm, count, #parameters, lr, weight decay."""
-    header = ("class", "algorithm", "count", "#params", "lr", "weight decay")
+    """A plain-text table: class, algorithm, count, #parameters, lr, the lr Muon applies
+    after ``lr_adjust`` (a range over the group's matrix shapes), weight decay."""
+    header = ("class", "algorithm", "count", "#params", "lr", "muon lr", "weight decay")
     rows = [header]
     total_n, total_p = 0, 0
     for g, c in zip(groups, classes, strict=True):
@@ -320,8 +393,17 @@ def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[st
         p = sum(numel(t) for t in g["params"])
         total_n += n
         total_p += p
-        rows.append((c, g["algorithm"], str(n), f"{p:,}", f"{g['lr']:.3g}", f"{g['wd']:.3g}"))
-    rows.append(("total", "", str(total_n), f"{total_p:,}", "", ""))
+        span = muon_lr_range(g)
+        if span is None:
+            effective = "-"
+        elif f"{span[0]:.3g}" == f"{span[1]:.3g}":
+            effective = f"{span[0]:.3g}"
+        else:
+            effective = f"{span[0]:.3g}-{span[1]:.3g}"
+        rows.append(
+            (c, g["algorithm"], str(n), f"{p:,}", f"{g['lr']:.3g}", effective, f"{g['wd']:.3g}")
+        )
+    rows.append(("total", "", str(total_n), f"{total_p:,}", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     for i, r in enumerate(rows):

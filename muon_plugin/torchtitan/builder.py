@@ -25,10 +25,16 @@ from muon_plugin.param_groups.builder import (
     format_rules,
     is_rank0,
     log_plan_after_first_step,
+    with_config_key,
 )
-from muon_plugin.param_groups.options import MuonConfig
+from muon_plugin.param_groups.options import MuonConfig, validate_job_optimizer
 
-__all__ = ["MuonOptimizersContainer", "base_hyperparams", "build_muon_optimizers"]
+__all__ = [
+    "MuonOptimizersContainer",
+    "base_hyperparams",
+    "build_muon_optimizers",
+    "with_config_key",
+]
 
 
 def base_hyperparams(optimizer_config: Any) -> BaseHyperparams:
@@ -43,6 +49,17 @@ def base_hyperparams(optimizer_config: Any) -> BaseHyperparams:
     )
 
 
+# Group keys a checkpoint restores: the LR scheduler owns lr / initial_lr (see load_state_dict).
+_SCHEDULED_KEYS = frozenset({"params", "lr", "initial_lr"})
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # e.g. tensors
+        return a is b
+
+
 class MuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part built by
     :func:`muon_plugin.param_groups.builder.build_part_optimizers`.
@@ -50,6 +67,8 @@ class MuonOptimizersContainer(OptimizersContainer):
     Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
     each param group), ``rules`` (the :class:`RuleSet` used).
     """
+
+    optimizer_name = "muon"
 
     def __init__(
         self, model_parts: list[nn.Module], cfg: MuonConfig, base: BaseHyperparams
@@ -62,6 +81,61 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.built = built
         self._validate_length(len(self.model_parts))
         self._post_init(built.params, built.kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint, keeping this job's group settings.
+
+        ``torch.optim`` restores every saved group setting, which would silently override a
+        changed ``ns_steps``, ``weight_decay``, ``momentum``, ... of the resumed job. Here the
+        job wins for every key the plugin builds groups from; ``lr`` and ``initial_lr`` come
+        from the checkpoint, because torchtitan's LR scheduler resumes from its saved base
+        learning rates (as it does for AdamW). What changed is logged (rank 0) with the table.
+        """
+        wanted = [
+            [{k: v for k, v in g.items() if k not in _SCHEDULED_KEYS} for g in opt.param_groups]
+            for opt in self.optimizers
+        ]
+        job_lrs = [
+            [g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in self.optimizers
+        ]
+        super().load_state_dict(state_dict)
+        changed: dict[tuple[str, str, str], list[str]] = {}
+        lr_changed: dict[tuple[str, str], list[str]] = {}
+        for opt, groups, lrs, classes in zip(
+            self.optimizers, wanted, job_lrs, self.group_classes, strict=True
+        ):
+            for g, want, job_lr, c in zip(opt.param_groups, groups, lrs, classes, strict=True):
+                for k, v in want.items():
+                    if k != "param_names" and not _same(g.get(k), v):
+                        changed.setdefault((k, repr(g.get(k)), repr(v)), []).append(c)
+                    g[k] = v
+                saved_lr = g.get("initial_lr", g["lr"])
+                if not _same(float(saved_lr), float(job_lr)):
+                    lr_changed.setdefault((f"{job_lr:.3g}", f"{saved_lr:.3g}"), []).append(c)
+        changes = [
+            f"{k}: {old} (checkpoint) -> {new} (job) in {', '.join(classes)}"
+            for (k, old, new), classes in changed.items()
+        ]
+        lr_notes = [
+            f"job {job}, checkpoint {saved} in {', '.join(classes)}"
+            for (job, saved), classes in lr_changed.items()
+        ]
+        self.changes_on_load = changes
+        if (changes or lr_notes) and is_rank0():
+            text = ""
+            if changes:
+                text += "Muon: the job's settings replace the checkpoint's: " + "; ".join(changes)
+            if lr_notes:
+                text += (
+                    ("\n" if text else "")
+                    + "Muon: base lr differs from the checkpoint's ("
+                    + "; ".join(lr_notes)
+                    + "): the LR scheduler resumes from the checkpoint's base lr, as torchtitan "
+                    "does for every optimizer; to apply a new lr, resume with "
+                    "--checkpoint.exclude_from_loading lr_scheduler (the schedule restarts)"
+                )
+            logger.warning(text)
+            logger.info(f"Muon param groups after loading the checkpoint:\n{self.format_rules()}")
 
     def format_rules(self) -> str:
         """The param-group table(s), one per model part."""
@@ -95,6 +169,14 @@ def build_muon_optimizers(
 ) -> MuonOptimizersContainer:
     """torchtitan ``build_optimizers_fn`` for ``optimizer.name = "muon"``."""
     _check_supported(optimizer_config, parallel_dims, ft_manager)
+    validate_job_optimizer(
+        lr=optimizer_config.lr,
+        weight_decay=optimizer_config.weight_decay,
+        eps=optimizer_config.eps,
+        beta1=optimizer_config.beta1,
+        beta2=optimizer_config.beta2,
+        implementation=getattr(optimizer_config, "implementation", "fused"),
+    )
     cfg = getattr(optimizer_config, "muon", None)
     if cfg is None:
         cfg = MuonConfig()

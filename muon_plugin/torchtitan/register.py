@@ -12,7 +12,14 @@ global ``build_optimizers`` and then registers the expert-bias pre-step hook. :f
    load-balancing hook;
 2. wraps ``get_train_spec`` so that specs holding the original ``build_optimizers`` get the
    dispatcher (MoE specs are left as they are; specs with another, custom builder get a wrapper
-   that only intercepts ``"muon"``).
+   that only intercepts ``"muon"``);
+3. wraps torchtitan's ``MetricsProcessor`` to log the end-of-run summary and Muon's skipped
+   updates (:mod:`muon_plugin.torchtitan.summary`);
+4. wraps ``CheckpointManager.dcp_load`` to refuse, with a clear error, a checkpoint holding
+   another optimizer's state (:mod:`muon_plugin.torchtitan.checkpoint`).
+
+A ``None`` optimizer config (which torchtitan's own tests pass to custom builders) is never
+Muon.
 
 Code that imported ``build_optimizers`` or ``get_train_spec`` by value before this ran keeps
 the originals.
@@ -34,6 +41,10 @@ def is_muon(name: str) -> bool:
     return isinstance(name, str) and name.lower() == "muon"
 
 
+def _wants_muon(optimizer_config: Any) -> bool:
+    return is_muon(getattr(optimizer_config, "name", None))
+
+
 def build_optimizers(
     model_parts: Any,
     optimizer_config: Any,
@@ -41,7 +52,7 @@ def build_optimizers(
     ft_manager: Any = None,
 ) -> Any:
     """torchtitan's ``build_optimizers`` with ``optimizer.name = "muon"`` added."""
-    if is_muon(optimizer_config.name):
+    if _wants_muon(optimizer_config):
         from muon_plugin.torchtitan.builder import build_muon_optimizers
 
         return build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
@@ -59,7 +70,7 @@ setattr(build_optimizers, _MARK, True)
 def _wrap_custom_builder(fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
-        if is_muon(optimizer_config.name):
+        if _wants_muon(optimizer_config):
             from torchtitan.tools.logging import logger
 
             from muon_plugin.torchtitan.builder import build_muon_optimizers
@@ -113,3 +124,11 @@ def install() -> None:
         train_spec_module.get_train_spec = get_train_spec
         if getattr(protocols, "get_train_spec", None) is get_spec:
             protocols.get_train_spec = get_train_spec
+
+    from muon_plugin.torchtitan.checkpoint import install as install_checkpoint_check
+
+    install_checkpoint_check()
+
+    from muon_plugin.torchtitan.summary import install as install_summary
+
+    install_summary()

@@ -1,0 +1,171 @@
+"""Check a torchtitan job config and its command-line overrides in one process, in seconds.
+
+    python -m muon_plugin.torchtitan.check CONFIG [torchtitan overrides ...]
+
+``scripts/train.sh`` runs it before torchrun starts any worker. It parses exactly as
+``torchtitan.train`` does (torchtitan's ``ConfigManager``, with ``job.custom_config_module``), and
+first looks for unknown keys itself, in the TOML and in the overrides, so that a typo is ONE
+line naming the key as ``section.field`` with a did-you-mean::
+
+    config error: optimizer.muon.ns_stepz: unknown key (in configs/x.toml); did you mean
+    optimizer.muon.ns_steps?
+
+Bad values (a choice not offered, ``optimizer.lr = -1``, ``optimizer.muon.ns_steps = 0``) are
+one line too. On success it prints the job's ``dump_folder`` (the only line on stdout) and
+exits 0; on an error it exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import sys
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+__all__ = ["check", "main", "unknown_cli_key", "unknown_toml_key"]
+
+
+def _fields(cls: Any) -> dict[str, Any]:
+    return {f.name: f.type for f in fields(cls)}
+
+
+def _hint(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _leaf_keys(cls: Any, prefix: str = "") -> list[str]:
+    out = []
+    for name, typ in _fields(cls).items():
+        if is_dataclass(typ):
+            out.extend(_leaf_keys(typ, f"{prefix}{name}."))
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def unknown_toml_key(cls: Any, data: dict[str, Any], source: str, prefix: str = "") -> str | None:
+    """The first key of ``data`` (a parsed TOML) that ``cls`` has no field for, as a message."""
+    known = _fields(cls)
+    for key, value in data.items():
+        if key not in known:
+            candidates = [f"{prefix}{k}" for k in known]
+            return f"{prefix}{key}: unknown key (in {source}){_hint(f'{prefix}{key}', candidates)}"
+        if is_dataclass(known[key]):
+            if not isinstance(value, dict):
+                return f"{prefix}{key}: expected a [{prefix}{key}] table (in {source})"
+            found = unknown_toml_key(known[key], value, source, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
+def unknown_cli_key(cls: Any, args: list[str]) -> str | None:
+    """The first ``--section.field`` override ``cls`` has no field for, as a message."""
+    leaves = _leaf_keys(cls)
+    known = set(leaves)
+    for arg in args:
+        if not arg.startswith("--") or arg in ("--help", "-h"):
+            continue
+        key = arg[2:].split("=", 1)[0].replace("-", "_")
+        head, _, last = key.rpartition(".")
+        alternatives = {key}
+        if last.startswith("no_"):  # tyro's --section.no-flag form of booleans
+            alternatives.add(f"{head}.{last[3:]}" if head else last[3:])
+        if not alternatives & known:
+            return f"{key}: unknown key (command line {arg}){_hint(key, leaves)}"
+    return None
+
+
+def _one_line(text: str) -> str:
+    """tyro's boxed error as one line (its title and rules dropped, wrapped lines joined)."""
+    import re
+
+    words = []
+    for line in text.splitlines():
+        line = line.strip(" |│╭╮╰╯─┃━┏┓┗┛")
+        if not line or line.startswith("For full helptext"):
+            continue
+        words.extend(w for w in line.split() if not re.fullmatch(r"[-─━]{3,}", w))
+    joined = " ".join(words)
+    for title in ("Invalid choice", "Value error", "Parsing error", "Required options"):
+        if joined.startswith(title + " "):
+            joined = joined[len(title) + 1 :]
+    joined = joined.split(" Argument helptext:", 1)[0]
+    joined = re.sub(r"^Error parsing (?:--)?([\w.-]+): (?=\1)", "", joined)
+    joined = re.sub(r"^Error parsing (?:--)?([\w.-]+): ", r"\1: ", joined)
+    return joined[:400] or "invalid command line"
+
+
+def check(config: str, args: list[str]) -> Any:
+    """The parsed job config; raises ``ValueError`` with a one-line message naming the key."""
+    from torchtitan.config import ConfigManager
+
+    full = ["--job.config_file", config, *args]
+    manager = ConfigManager()
+    try:
+        toml = manager._maybe_load_toml(full)
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {config}") from None
+    except Exception as e:  # tomllib.TOMLDecodeError
+        raise ValueError(f"{config}: not valid TOML: {e}") from None
+    try:
+        cls = manager._maybe_add_custom_config(full, toml)
+    except ImportError as e:
+        raise ValueError(f"job.custom_config_module: cannot import it: {e}") from None
+    found = unknown_toml_key(cls, toml or {}, config) or unknown_cli_key(cls, args)
+    if found:
+        raise ValueError(found)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            job = manager.parse_args(full)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        raise ValueError(_one_line(captured.getvalue())) from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+
+    from muon_plugin.torchtitan.register import is_muon
+
+    if is_muon(job.optimizer.name):
+        from muon_plugin.param_groups.options import validate_job_optimizer
+
+        opt = job.optimizer
+        validate_job_optimizer(
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            eps=opt.eps,
+            beta1=opt.beta1,
+            beta2=opt.beta2,
+            implementation=getattr(opt, "implementation", "fused"),
+        )
+        muon = getattr(opt, "muon", None)
+        if muon is not None:
+            muon.validate()
+            muon.rules()
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    config, args = argv[0], argv[1:]
+    if "--help" in args or "-h" in args:
+        return 0  # torchtitan prints the help itself
+    try:
+        job = check(config, args)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(job.job.dump_folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
