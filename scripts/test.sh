@@ -3,6 +3,9 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k distributed`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+echo "[test] environment: scripts/setup_env.sh"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-exec "${MUON_PLUGIN_VENV:-$root/.venv}/bin/python" -m pytest "$@"
+python="${MUON_PLUGIN_VENV:-$root/.venv}/bin/python"
+echo "[test] $python -m pytest $*"
+exec "$python" -m pytest "$@"

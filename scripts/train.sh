@@ -32,12 +32,14 @@ cd "$ROOT"
 if [[ -n "${PYTHON:-}" ]]; then
     :   # an environment you manage yourself (e.g. a cluster image): used as is, no set-up
 else
+    echo "[train] environment: scripts/setup_env.sh"
     bash scripts/setup_env.sh   # creates/refreshes .venv; instant when nothing changed
-    PYTHON="$ROOT/.venv/bin/python"
+    PYTHON="${MUON_PLUGIN_VENV:-$ROOT/.venv}/bin/python"
 fi
 
 # Local data (idempotent: a no-op once data/ is up to date).
 DATA_DIR="${DATA_DIR:-data}"
+echo "[train] data: scripts/prepare_data.py --out $DATA_DIR"
 "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
 
 if [[ -z "${NPROC:-}" ]]; then
@@ -55,6 +57,7 @@ if [[ "$NPROC" -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
 fi
 
 # LOG_RANK: which local ranks print (comma separated; default 0), as torchtitan's run_train.sh.
+echo "[train] torchrun: $NPROC processes, torchtitan.train --job.config_file $CONFIG $*"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG" "$@"
