@@ -1,4 +1,4 @@
-"""Param-group rules (muon_plugin.torchtitan.rules) on the real torchtitan debug models."""
+"""Param-group rules (muon_plugin.param_groups.rules) on the real torchtitan debug models."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from muon_plugin.torchtitan.config import MuonConfig  # noqa: E402
-from muon_plugin.torchtitan.rules import (  # noqa: E402
+from muon_plugin.param_groups.options import MuonConfig  # noqa: E402
+from muon_plugin.param_groups.rules import (  # noqa: E402
     PARAM_CLASSES,
     RuleSet,
     build_param_groups,

@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from muon_plugin.torchtitan.config import MuonConfig
-from muon_plugin.torchtitan.rules import (
+from muon_plugin.param_groups.options import MuonConfig
+from muon_plugin.param_groups.rules import (
     RuleSet,
     build_param_groups,
     check_unused_patterns,
@@ -78,7 +78,7 @@ def low_precision_kwargs(cfg: MuonConfig) -> dict[str, Any]:
 
 class MuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part built from
-    the param groups of :func:`muon_plugin.torchtitan.rules.build_param_groups`.
+    the param groups of :func:`muon_plugin.param_groups.rules.build_param_groups`.
 
     Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
     each param group), ``rules`` (the :class:`RuleSet` used).
