@@ -22,10 +22,11 @@ are skipped. Timing: ``triton.testing.do_bench`` medians (CUDA events when trito
 ``time.perf_counter`` medians on the CPU.
 
     python scripts/benchmark.py [--quick] [--sections kernels,ortho,step,memory]
-        [--results RESULTS.md | --no-results] [--json rows.json] [--device auto|cpu|cuda]
+        [--results RESULTS.md] [--json rows.json] [--device auto|cpu|cuda]
 
-Writes its own section of RESULTS.md (between ``<!-- benchmark:start -->`` and
-``<!-- benchmark:end -->``), keeping everything else in the file.
+Prints its tables; only with ``--results PATH`` does it write them, into its own section of
+that file (between ``<!-- benchmark:start -->`` and ``<!-- benchmark:end -->``), keeping
+everything else in the file.
 """
 
 from __future__ import annotations
@@ -1191,10 +1192,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument(
         "--results",
         type=Path,
-        default=Path("RESULTS.md"),
-        help="markdown file whose benchmark section is created/updated",
+        default=None,
+        help="markdown file whose benchmark section is created/updated (e.g. RESULTS.md); "
+        "without it nothing is written",
     )
-    p.add_argument("--no-results", action="store_true", help="do not write the results file")
     p.add_argument("--json", type=Path, help="write all rows to this JSON file")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_mutually_exclusive_group()
@@ -1281,7 +1282,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(clean_json({"meta": meta, "rows": rows}), indent=1))
         log(f"wrote {args.json}")
-    if not args.no_results:
+    if args.results is not None:
         write_results(args.results, markdown_section(meta, results, peak))
         log(f"updated {args.results}")
 

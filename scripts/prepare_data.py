@@ -1,123 +1,148 @@
 #!/usr/bin/env python
-"""Build a small local training corpus and a BPE tokenizer for the torchtitan demo configs.
+"""Build the local training corpus and a BPE tokenizer for the torchtitan demo configs.
 
-Nothing is downloaded. The text comes from what every machine with this stack has installed:
-
-- the Python reference documentation shipped with CPython (``pydoc_data.topics``),
-- the docstrings of the Python standard library modules (parsed with :mod:`ast`, not
-  imported),
-- the license texts of CPython and of the installed packages (``*.dist-info/LICENSE*``).
+Nothing is downloaded, and the result is the same on every machine with the same pinned
+packages: the text is the Python source (code, comments and docstrings) of the pinned packages
+(``torch==2.13.0`` and ``torchtitan==0.2.2``), found with :mod:`importlib` and read as bytes
+in sorted path order, so it does not depend on the user, ``HOME``, user-site paths, the locale
+or which Python's standard library is installed. Files that differ between builds of the same
+release (``torch/version.py`` names the CUDA version) are left out. One file is one document.
 
 Output (default ``data/``, change with ``--out``)::
 
-    data/corpus/data.json          JSON lines {"text": ...}: torchtitan's "c4_test" loader
-                                   (datasets.load_dataset(<folder>, split="train")) reads it via
-                                   --training.dataset_path data/corpus
-    data/tokenizer/tokenizer.json  byte-level BPE (tokenizers library), vocab --vocab-size
+    data/corpus/data.json          JSON lines {"text": ...}, the training split: torchtitan's
+                                   "c4_test" loader (datasets.load_dataset(<folder>,
+                                   split="train")) reads it via --training.dataset_path
+    data/corpus_val/data.json      the held-out split (every document whose path hashes into
+                                   it, about 2%): --validation.dataset c4_test
+                                   --validation.dataset_path data/corpus_val
+    data/tokenizer/tokenizer.json  byte-level BPE (tokenizers library), vocab --vocab-size,
+                                   trained on the first --tokenizer-bytes of the training
+                                   split
     data/tokenizer/tokenizer_config.json
                                    bos/eos tokens for torchtitan's HuggingFaceTokenizer; use
                                    --model.hf_assets_path data/tokenizer
-    data/manifest.json             what was built from what; a second run with the same
-                                   options and inputs does nothing (--force rebuilds)
+    data/manifest.json             package versions, sizes, token counts and the sha256 of
+                                   every file; a second run with the same options and packages
+                                   does nothing (--force rebuilds)
 
-The documents are deterministically shuffled (fixed seed) and the tokenizer is trained
-single-threaded, so the same inputs give byte-identical outputs.
+The documents are shuffled with a fixed seed and the tokenizer is trained single-threaded, so
+the same inputs give byte-identical outputs; the log and the manifest give the corpus hash.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import random
 import shutil
-import site
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 PAD = "<|pad|>"
-SKIP_STDLIB_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
+# The pinned packages whose sources make the corpus, and the release each must be.
+PACKAGES = {"torch": "2.13.0", "torchtitan": "0.2.2"}
+# Files that differ between builds of one release (CPU vs CUDA wheels).
+BUILD_SPECIFIC = {"torch/version.py"}
+SKIP_DIRS = {"__pycache__"}
+VALIDATION_EVERY = 50  # a document is held out when sha256(path) % VALIDATION_EVERY == 0
+MIN_DOC_BYTES = 200
+OUTPUTS = (
+    "corpus/data.json",
+    "corpus_val/data.json",
+    "tokenizer/tokenizer.json",
+    "tokenizer/tokenizer_config.json",
+)
 
 
-def _clean(text: str) -> str:
-    lines = [line.rstrip() for line in text.strip().splitlines()]
-    return "\n".join(lines).strip()
+def release(version: str) -> str:
+    """``2.13.0+cpu`` -> ``2.13.0``: builds of one release share their Python sources."""
+    return version.split("+", 1)[0]
 
 
-def pydoc_topics() -> list[tuple[str, str]]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:
-        return []
-    return [(f"pydoc:{k}", _clean(v)) for k, v in sorted(topics.items()) if v.strip()]
+def package_dir(name: str) -> Path:
+    """Where ``name`` is installed, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"[prepare_data] package {name!r} is not installed (scripts/setup_env.sh)")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _module_docstrings(path: Path) -> str:
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    except (SyntaxError, ValueError):
-        return ""
-    parts = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc and len(doc) >= 40:
-                title = "" if isinstance(node, ast.Module) else f"{node.name}\n"
-                parts.append(title + doc.strip())
-    return "\n\n".join(parts)
+def package_versions(check: bool) -> dict[str, str]:
+    """The release of each corpus package; with ``check``, refuse one other than the pin."""
+    found = {name: release(importlib.metadata.version(name)) for name in PACKAGES}
+    wrong = {n: v for n, v in found.items() if v != PACKAGES[n]}
+    if check and wrong:
+        want = ", ".join(f"{n}=={PACKAGES[n]}" for n in wrong)
+        have = ", ".join(f"{n} {v}" for n, v in wrong.items())
+        raise SystemExit(
+            f"[prepare_data] the corpus is defined by {want}, found {have}; use the project's "
+            "environment (scripts/setup_env.sh) or pass --any-version (the corpus will differ)"
+        )
+    return found
 
 
-def stdlib_docstrings() -> list[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+def source_documents() -> list[tuple[str, str]]:
+    """``(relative path, text)`` of each distinct source file of PACKAGES, sorted by path."""
     docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in SKIP_STDLIB_DIRS for part in rel.parts[:-1]):
-            continue
-        text = _module_docstrings(path)
-        if len(text) >= 200:
-            docs.append((f"stdlib:{rel.as_posix()}", _clean(text)))
-    return docs
-
-
-def license_texts() -> list[tuple[str, str]]:
-    candidates = [Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"]
-    roots = [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]]
-    for root in roots:
-        if root.is_dir():
-            for dist in sorted(root.glob("*.dist-info")):
-                for f in sorted(dist.rglob("*")):
-                    if f.is_file() and f.name.upper().startswith(("LICENSE", "COPYING")):
-                        candidates.append(f)
-    docs, seen = [], set()
-    for f in candidates:
-        try:
-            text = _clean(f.read_text(encoding="utf-8", errors="replace"))
-        except OSError:
-            continue
-        digest = hashlib.sha1(text.encode()).hexdigest()
-        if len(text) >= 200 and digest not in seen:
+    for name in sorted(PACKAGES):
+        base = package_dir(name).parent
+        paths = []
+        for dirpath, dirnames, filenames in os.walk(base / name):
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+            paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+        for path in paths:
+            rel = path.relative_to(base).as_posix()
+            if rel in BUILD_SPECIFIC:
+                continue
+            text = path.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n")
+            text = text.strip()
+            if len(text) >= MIN_DOC_BYTES:
+                docs.append((rel, text))
+    docs.sort(key=lambda d: d[0].encode())
+    seen: set[str] = set()
+    unique = []  # a file copied under another path is one document (the first path)
+    for rel, text in docs:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest not in seen:
             seen.add(digest)
-            docs.append((f"license:{f.parent.name}/{f.name}", text))
-    return docs
+            unique.append((rel, text))
+    return unique
 
 
-def collect(max_bytes: int, seed: int) -> list[tuple[str, str]]:
-    docs = pydoc_topics() + stdlib_docstrings() + license_texts()
-    random.Random(seed).shuffle(docs)
+def is_validation(rel: str) -> bool:
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % VALIDATION_EVERY == 0
+
+
+def split(docs: list[tuple[str, str]], max_bytes: int, seed: int) -> tuple[list[str], list[str]]:
+    """Held-out and training texts; the training ones shuffled and cut at ``max_bytes``."""
+    val = [t for rel, t in docs if is_validation(rel)]
+    train = [(rel, t) for rel, t in docs if not is_validation(rel)]
+    random.Random(seed).shuffle(train)
     out, total = [], 0
-    for name, text in docs:
+    for _, text in train:
         if total >= max_bytes:
             break
-        out.append((name, text))
+        out.append(text)
+        total += len(text.encode())
+    return out, val
+
+
+def prefix(texts: list[str], n_bytes: int) -> list[str]:
+    out, total = [], 0
+    for text in texts:
+        if total >= n_bytes:
+            break
+        out.append(text)
         total += len(text.encode())
     return out
 
@@ -140,6 +165,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+def count_tokens(tok, texts: list[str]) -> int:
+    return sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+
+
 def tokenizer_config(max_len: int) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -152,30 +181,40 @@ def tokenizer_config(max_len: int) -> dict:
     }
 
 
-def _manifest_key(args: argparse.Namespace) -> dict:
+def corpus_hash(sha256: dict[str, str]) -> str:
+    """One hash of all outputs: sha256 over the sorted ``path sha256`` lines."""
+    lines = "".join(f"{rel} {digest}\n" for rel, digest in sorted(sha256.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _manifest_key(args: argparse.Namespace, versions: dict[str, str]) -> dict:
     return {
         "format_version": FORMAT_VERSION,
-        "python": sys.version.split()[0],
-        "stdlib": sysconfig.get_paths()["stdlib"],
+        "packages": versions,
         "max_bytes": args.max_bytes,
+        "tokenizer_bytes": args.tokenizer_bytes,
         "vocab_size": args.vocab_size,
         "seed": args.seed,
     }
 
 
-def _up_to_date(out: Path, key: dict) -> bool:
+def _up_to_date(out: Path, key: dict) -> dict | None:
+    """The manifest when ``out`` holds every output built with ``key``, else None."""
     manifest = out / "manifest.json"
-    needed = [
-        out / "corpus" / "data.json",
-        out / "tokenizer" / "tokenizer.json",
-        out / "tokenizer" / "tokenizer_config.json",
-    ]
-    if not manifest.is_file() or not all(p.is_file() for p in needed):
-        return False
+    if not manifest.is_file() or not all((out / rel).is_file() for rel in OUTPUTS):
+        return None
     try:
-        return json.loads(manifest.read_text()).get("key") == key
+        data = json.loads(manifest.read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    return data if data.get("key") == key else None
+
+
+def write_jsonl(path: Path, texts: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-bytes",
         type=int,
-        default=6_000_000,
-        help="stop adding documents past this many bytes of text (default: 6 MB)",
+        default=30_000_000,
+        help="training split: stop adding documents past this many bytes (default: 30 MB, "
+        "about 10 M tokens of the default tokenizer)",
+    )
+    parser.add_argument(
+        "--tokenizer-bytes",
+        type=int,
+        default=2_000_000,
+        help="train the tokenizer on the first this many bytes of the training split "
+        "(default: 2 MB)",
     )
     parser.add_argument(
         "--vocab-size",
@@ -196,57 +243,68 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="document shuffle seed")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    parser.add_argument("-q", "--quiet", action="store_true")
+    parser.add_argument(
+        "--any-version",
+        action="store_true",
+        help="build from whatever torch/torchtitan is installed, not only the pinned releases",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the result line")
     args = parser.parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print("[prepare_data]", *a))
 
     out = Path(args.out)
-    key = _manifest_key(args)
-    if not args.force and _up_to_date(out, key):
-        log(f"{out} is up to date (use --force to rebuild)")
+    versions = package_versions(check=not args.any_version)
+    key = _manifest_key(args, versions)
+    if not args.force and (done := _up_to_date(out, key)):
+        print(f"[prepare_data] {out} is up to date: corpus sha256 {done['corpus_sha256'][:16]}")
         return 0
 
     t0 = time.time()
-    docs = collect(args.max_bytes, args.seed)
-    if not docs:
-        print("[prepare_data] no text found on this machine", file=sys.stderr)
-        return 1
-    texts = [t for _, t in docs]
-    n_bytes = sum(len(t.encode()) for t in texts)
-    log(f"collected {len(docs)} documents, {n_bytes / 1e6:.1f} MB of text")
+    docs = source_documents()
+    train, val = split(docs, args.max_bytes, args.seed)
+    n_bytes = sum(len(t.encode()) for t in train)
+    log(
+        f"collected {len(docs)} source files of "
+        + ", ".join(f"{n} {v}" for n, v in versions.items())
+        + f": {len(train)} training documents ({n_bytes / 1e6:.1f} MB), {len(val)} held out"
+    )
 
-    tok = train_tokenizer(texts, args.vocab_size)
+    tok = train_tokenizer(prefix(train, args.tokenizer_bytes), args.vocab_size)
     log(f"trained BPE tokenizer: vocab {tok.get_vocab_size()}")
+    # Encoding all of the training split single-threaded takes ~40 s: count the held-out
+    # split exactly and estimate the training split at the same tokens per byte.
+    val_bytes = sum(len(t.encode()) for t in val)
+    val_tokens = count_tokens(tok, val)
+    tokens = {
+        "validation": val_tokens,
+        "train_estimated": round(n_bytes * val_tokens / max(1, val_bytes)),
+    }
+    log(
+        f"tokens: about {tokens['train_estimated'] / 1e6:.1f} M training (estimated), "
+        f"{val_tokens / 1e6:.2f} M held out"
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".prepare_data.", dir=out))
     try:
-        (staging / "corpus").mkdir()
-        with open(staging / "corpus" / "data.json", "w", encoding="utf-8") as f:
-            for text in texts:
-                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        write_jsonl(staging / "corpus" / "data.json", train)
+        write_jsonl(staging / "corpus_val" / "data.json", val)
         (staging / "tokenizer").mkdir()
         tok.save(str(staging / "tokenizer" / "tokenizer.json"))
         (staging / "tokenizer" / "tokenizer_config.json").write_text(
             json.dumps(tokenizer_config(1 << 20), indent=2) + "\n"
         )
-        sample = tok.encode(texts[0][:2000]).ids
+        sha256 = {rel: hashlib.sha256((staging / rel).read_bytes()).hexdigest() for rel in OUTPUTS}
         manifest = {
             "key": key,
-            "documents": len(docs),
-            "bytes": n_bytes,
-            "tokens_per_byte_sample": round(len(sample) / max(1, len(texts[0][:2000])), 3),
-            "sources": sorted({name.split(":", 1)[0] for name, _ in docs}),
-            "sha256": {
-                rel: hashlib.sha256((staging / rel).read_bytes()).hexdigest()
-                for rel in (
-                    "corpus/data.json",
-                    "tokenizer/tokenizer.json",
-                    "tokenizer/tokenizer_config.json",
-                )
-            },
+            "sources": sorted(PACKAGES),
+            "documents": {"train": len(train), "validation": len(val)},
+            "bytes": {"train": n_bytes, "validation": val_bytes},
+            "tokens": tokens,
+            "corpus_sha256": corpus_hash(sha256),
+            "sha256": sha256,
         }
-        for sub in ("corpus", "tokenizer"):
+        for sub in ("corpus", "corpus_val", "tokenizer"):
             if (out / sub).exists():
                 shutil.rmtree(out / sub)
             os.replace(staging / sub, out / sub)
@@ -254,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(
-        f"wrote {out}/corpus/data.json and {out}/tokenizer/ in {time.time() - t0:.1f}s "
+        f"wrote {out}/corpus, {out}/corpus_val and {out}/tokenizer in {time.time() - t0:.1f}s "
         f"(--training.dataset_path {out}/corpus --model.hf_assets_path {out}/tokenizer)"
     )
+    print(f"[prepare_data] {out}: corpus sha256 {manifest['corpus_sha256'][:16]}")
     return 0
 
 

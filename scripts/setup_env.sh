@@ -1,35 +1,120 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything the tests, benchmarks and the torchtitan demo need.
-# Idempotent: re-runs are instant unless pyproject.toml changed. Needs only PyPI.
-# On a machine without an NVIDIA GPU it pins the CPU build of torch (torch==2.13.0) so that
-# pip never pulls a multi-GB CUDA build; with a GPU it reuses a system torch if one exists.
+# Idempotent: a re-run only checks a stamp, unless pyproject.toml or this script changed.
+#
+# torch: on a machine without an NVIDIA GPU, the CPU build torch==2.13.0+cpu from PyTorch's CPU
+# wheel index when that index answers within $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else
+# torch==2.13.0 from PyPI, which on Linux is the CUDA build (a one-line note gives its download
+# size first). With a GPU: a system torch if there is one, else torch>=2.11 from PyPI.
+#
+# Environment: MUON_PLUGIN_VENV (default ./.venv), BASE_PYTHON (default python3, >= 3.11),
+# MUON_PLUGIN_TORCH_INDEX (default https://download.pytorch.org/whl/cpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${MUON_PLUGIN_VENV:-$root/.venv}"
-python="${BASE_PYTHON:-python3}"
-# `setup_env.sh --titan03`: the second environment, torchtitan 0.3 (./.venv-titan03).
-if [ "${1:-}" = "--titan03" ]; then exec bash "$root/scripts/setup_env_titan03.sh"; fi
-stamp="$venv/.muon_plugin_setup"
-want="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
+base_python="${BASE_PYTHON:-python3}"
+torch_pin="2.13.0"
+cpu_index="${MUON_PLUGIN_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+index_timeout="${MUON_PLUGIN_INDEX_TIMEOUT:-5}"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import torch, muon_plugin" 2>/dev/null; then
-    exit 0
-fi
+say() { echo "[setup_env] $*"; }
 
-has_gpu=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-if [ ! -x "$venv/bin/python" ]; then
-    if [ "$has_gpu" = 1 ] && "$python" -c "import torch" 2>/dev/null; then
-        "$python" -m venv --system-site-packages "$venv"   # keep the machine's CUDA torch
-    else
-        "$python" -m venv "$venv"
+# index_answers URL: whether the simple index at URL lists torch within $index_timeout seconds.
+index_answers() {
+    "$base_python" - "$1/torch/" "$index_timeout" <<'EOF' 2>/dev/null
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])) as r:
+    sys.exit(0 if r.status == 200 else 1)
+EOF
+}
+
+# install_torch VENV: torch as described at the top of this file.
+install_torch() {
+    local py="$1/bin/python"
+    local pip=("$py" -m pip install --disable-pip-version-check)
+    if has_gpu; then
+        say "torch: NVIDIA GPU found; installing torch>=2.11 from PyPI (CUDA build)"
+        "${pip[@]}" "torch>=2.11"
+        return
     fi
-fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    if [ "$has_gpu" = 1 ]; then "${pip[@]}" "torch>=2.11"; else "${pip[@]}" "torch==2.13.0"; fi
-fi
-"${pip[@]}" -e "$root[dev]"
-echo "$want" >"$stamp"
-echo "setup_env: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') in $venv"
+    say "torch: no NVIDIA GPU; asking PyTorch's CPU wheel index ($cpu_index, ${index_timeout} s timeout)"
+    if index_answers "$cpu_index"; then
+        say "torch: installing the CPU build torch==$torch_pin+cpu from $cpu_index"
+        "${pip[@]}" --extra-index-url "$cpu_index" "torch==$torch_pin+cpu"
+        return
+    fi
+    say "torch: $cpu_index did not answer; asking pip what torch==$torch_pin from PyPI would download"
+    local report
+    report="$(mktemp)"
+    local size="download size unknown"
+    if "${pip[@]}" --quiet --dry-run --ignore-installed --report "$report" "torch==$torch_pin" \
+        >/dev/null 2>&1; then
+        size="$("$py" "$root/scripts/download_size.py" "$report" 2>/dev/null || echo "$size")"
+    fi
+    rm -f "$report"
+    say "torch: installing torch==$torch_pin from PyPI: $size"
+    "${pip[@]}" "torch==$torch_pin"
+}
+
+# setup_venv VENV WHAT PIP_ARGS...: create VENV (if needed), install torch, then `pip install
+# PIP_ARGS...` (WHAT says what that is); skipped when VENV's stamp matches this script,
+# pyproject.toml and PIP_ARGS.
+setup_venv() {
+    local venv="$1" what="$2"
+    shift 2
+    local stamp="$venv/.muon_plugin_setup"
+    local want
+    want="$( (cat "$root/pyproject.toml" "$root/scripts/setup_env.sh"; echo "$*") | sha256sum | cut -d' ' -f1)"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(not (
+            u.find_spec('torch') and u.find_spec('muon_plugin')))" 2>/dev/null; then
+        say "$venv is up to date"
+        return
+    fi
+    local start=$SECONDS
+    if [ ! -x "$venv/bin/python" ]; then
+        if ! "$base_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "[setup_env] $base_python is not Python >= 3.11; set BASE_PYTHON" >&2
+            exit 1
+        fi
+        if has_gpu && "$base_python" -c "import torch" 2>/dev/null; then
+            say "creating $venv (sharing the system's torch)"
+            "$base_python" -m venv --system-site-packages "$venv"
+        else
+            say "creating $venv ($("$base_python" --version))"
+            "$base_python" -m venv "$venv"
+        fi
+    fi
+    if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+        say "torch: $("$venv/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+    else
+        install_torch "$venv"
+    fi
+    say "installing $what (pip install $*)"
+    "$venv/bin/python" -m pip install --disable-pip-version-check "$@"
+    echo "$want" >"$stamp"
+    say "done in $((SECONDS - start)) s: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') in $venv"
+}
+
+# extra_list EXTRA: the requirements of pyproject.toml's extra EXTRA, for the progress line.
+extra_list() {
+    "$base_python" -c 'import sys, tomllib
+print(", ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"][sys.argv[2]]))' \
+        "$root/pyproject.toml" "$1" 2>/dev/null || echo "see pyproject.toml"
+}
+
+# One environment per call: ./.venv (default: torchtitan 0.2.2 and everything the tests need),
+# --titan03 ./.venv-titan03 (torchtitan 0.3.0 and its tests).
+case "${1:-}" in
+    "")
+        setup_venv "${MUON_PLUGIN_VENV:-$root/.venv}" \
+            "muon_plugin (editable) and its dev extra: $(extra_list dev)" -e "$root[dev]" ;;
+    --titan03)
+        setup_venv "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}" \
+            "muon_plugin (editable) with torchtitan 0.3: $(extra_list torchtitan03)" \
+            -e "$root[torchtitan03]" ;;
+    *)
+        echo "[setup_env] unknown option $1 (expected none or --titan03)" >&2
+        exit 2 ;;
+esac

@@ -6,13 +6,17 @@
 # MUON_PLUGIN_TITAN03=0 skips the torchtitan 0.3 environment.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+echo "[test] environment: scripts/setup_env.sh"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 venv="${MUON_PLUGIN_VENV:-$root/.venv}"
 status=0
+echo "[test] $venv/bin/python -m pytest $*"
 "$venv/bin/python" -m pytest "$@" || status=$?
 if [ "${MUON_PLUGIN_TITAN03:-1}" != 0 ]; then
+    echo "[test] environment: scripts/setup_env_titan03.sh"
     bash "$root/scripts/setup_env_titan03.sh"
+    echo "[test] torchtitan 0.3: pytest tests/titan03 $*"
     venv03="${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}"
     MUON_PLUGIN_PYTHON_022="$venv/bin/python" "$venv03/bin/python" -m pytest tests/titan03 "$@" \
         || { rc=$?; [ "$rc" = 5 ] || status=$rc; }   # 5: nothing selected (e.g. by -k)

@@ -54,8 +54,9 @@ elif [[ "$RELEASE" == 0.3 ]]; then
     bash scripts/setup_env_titan03.sh   # creates/refreshes .venv-titan03
     PYTHON="$ROOT/.venv-titan03/bin/python"
 else
+    echo "[train] environment: scripts/setup_env.sh"
     bash scripts/setup_env.sh   # creates/refreshes .venv; instant when nothing changed
-    PYTHON="$ROOT/.venv/bin/python"
+    PYTHON="${MUON_PLUGIN_VENV:-$ROOT/.venv}/bin/python"
 fi
 
 export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
@@ -69,6 +70,7 @@ fi
 
 # Local data (idempotent: a no-op once data/ is up to date).
 DATA_DIR="${DATA_DIR:-data}"
+echo "[train] data: scripts/prepare_data.py --out $DATA_DIR"
 "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
 
 if [[ -z "${NPROC:-}" ]]; then
@@ -94,6 +96,7 @@ if [[ "$RELEASE" == 0.3 ]]; then
 else
     TRAIN=(-m torchtitan.train --job.config_file "$CONFIG" "$@")
 fi
+echo "[train] torchrun: $NPROC processes, ${TRAIN[*]}"
 if [[ -z "$DUMP_FOLDER" ]]; then
     exec "${TORCHRUN[@]}" "${TRAIN[@]}"
 fi

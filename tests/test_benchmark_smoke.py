@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -14,8 +15,22 @@ SCRIPT = ROOT / "scripts" / "benchmark.py"
 CPU_SECTIONS = ("kernels", "ortho", "step", "memory")
 
 
+def git_status() -> str | None:
+    """``git status --porcelain`` of the repository, or None outside a git checkout."""
+    try:
+        proc = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
 def test_benchmark_quick_cpu(tmp_path):
+    """``--quick`` (without ``--results``) writes no results file, here or in the checkout."""
     out = tmp_path / "rows.json"
+    results_before = (ROOT / "RESULTS.md").read_bytes()
+    status_before = git_status()
     # One intra-op thread: on a busy 2-core CI runner, spinning OpenMP threads cost far more
     # than they gain on these small shapes.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -26,7 +41,6 @@ def test_benchmark_quick_cpu(tmp_path):
             "--quick",
             "--device",
             "cpu",
-            "--no-results",
             "--json",
             str(out),
         ],
@@ -39,7 +53,9 @@ def test_benchmark_quick_cpu(tmp_path):
     tail = (proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]).strip()
     assert proc.returncode == 0, tail
     assert "SUMMARY" in proc.stdout, tail
-    assert not (tmp_path / "RESULTS.md").exists(), "--no-results must not write RESULTS.md"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"], "wrote more than --json"
+    assert (ROOT / "RESULTS.md").read_bytes() == results_before, "--quick rewrote RESULTS.md"
+    assert git_status() == status_before, "the benchmark changed the checkout"
 
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
@@ -76,12 +92,26 @@ def test_benchmark_quick_cpu(tmp_path):
     assert abs(by_name["AdamW(fused=True)"] - 8.0) < 0.1
 
 
-def test_results_section_is_replaced_in_place(tmp_path):
-    """The script's RESULTS.md section is updated between its markers; the rest is kept."""
+def test_results_written_only_with_results_option(tmp_path):
+    """``--results PATH`` writes PATH's benchmark section; by default nothing is written."""
+    benchmark = load_script()
+    assert benchmark.parse_args(["--quick"]).results is None
+    assert benchmark.parse_args(["--results", "R.md"]).results == Path("R.md")
+
+
+@functools.cache
+def load_script():
+    """scripts/benchmark.py as a module (imported once)."""
     spec = importlib.util.spec_from_file_location("_muon_benchmark_script", SCRIPT)
     benchmark = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = benchmark  # dataclasses look their module up
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_results_section_is_replaced_in_place(tmp_path):
+    """The script's RESULTS.md section is updated between its markers; the rest is kept."""
+    benchmark = load_script()
     path = tmp_path / "RESULTS.md"
     path.write_text("# Results\n\nintro\n\n<!-- other:start -->\nother\n<!-- other:end -->\n")
     benchmark.write_results(path, f"{benchmark.MARK_START}\nfirst\n{benchmark.MARK_END}\n")
