@@ -189,7 +189,7 @@ def plan(args, records: list[dict]) -> list[Run]:
             runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
     muon_lr = best_lr(records, "muon")
     if muon_lr is not None:
-        runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in [0, *args.seeds]]
+        runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
     seen: set[str] = set()
     todo = []
     for run in runs:
@@ -256,10 +256,11 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             + " | ".join(cells)
             + " |"
         )
-    muon = head.get("muon")
-    for opt, row in head.items():
-        if opt.startswith("muonlp-") and muon:
-            row["val_gap_vs_muon"] = row["final_val"] / muon["final_val"] - 1
+    for opt, runs in groups.items():
+        seeds = {r["seed"] for r in runs}
+        peers = [r for r in groups.get("muon", []) if r["seed"] in seeds]
+        if opt.startswith("muonlp-") and peers:  # against fp32-state Muon on the same seeds
+            head[opt]["val_gap_vs_muon"] = head[opt]["final_val"] / mean_curve(peers)[-1][1] - 1
     return "\n".join(lines), head
 
 
@@ -304,6 +305,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lrs-muon", default=DEFAULT_LRS["muon"])
     p.add_argument("--seeds", default="0,1", help="seeds at each optimizer's best lr")
     p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
+    p.add_argument("--lp-seeds", default="0", help="seeds of the MuonLP runs")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--val-every", type=int, default=30)
     p.add_argument("--val-steps", type=int, default=8)
@@ -325,6 +327,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--optimizers: unknown optimizer {o!r}; choose from {sorted(OPTIMIZER_ARGS)}")
     args.lrs = {"adamw": args.lrs_adamw.split(","), "muon": args.lrs_muon.split(",")}
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.lp_seeds = [int(s) for s in args.lp_seeds.split(",") if s]
     args.lp = [d for d in args.lp.split(",") if d]
     for d in args.lp:
         if d not in LP_ARGS:

@@ -70,8 +70,12 @@ fi
 
 # Local data (idempotent: a no-op once data/ is up to date).
 DATA_DIR="${DATA_DIR:-data}"
-echo "[train] data: scripts/prepare_data.py --out $DATA_DIR"
-"$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
+if [[ "${SKIP_PREPARE_DATA:-0}" == 1 ]]; then
+    echo "[train] data: $DATA_DIR as it is (SKIP_PREPARE_DATA=1, e.g. built on another machine)"
+else
+    echo "[train] data: scripts/prepare_data.py --out $DATA_DIR"
+    "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
+fi
 
 if [[ -z "${NPROC:-}" ]]; then
     NGPU="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"

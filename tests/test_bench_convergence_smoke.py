@@ -55,7 +55,7 @@ def test_summary_picks_best_lr_and_compares_with_adamw():
 
 
 def test_plan_runs_sweep_then_seeds_then_lp():
-    args = bc.parse_args(["--lp", "int8", "--seeds", "0,1"])
+    args = bc.parse_args(["--lp", "int8", "--seeds", "0,1", "--lp-seeds", "0,1"])
     first = bc.plan(args, [])
     assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3
     done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
