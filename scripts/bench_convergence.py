@@ -12,6 +12,9 @@ the seed changed. The plan, in order (``--budget-s`` stops launching runs that w
 
 Every finished run is kept in ``OUT/curves.json`` (train and validation curves, tokens/s) and
 a rerun with the same ``--out`` skips it, so the plan can be split over several invocations.
+``--parallel N`` runs up to N ready runs at once on the same machine (one GPU shared): their
+curves are as good as any, but their tokens/s is not, so the speed comparison uses only the
+runs that had the machine to themselves (``concurrent`` = 1 in the JSON).
 From all runs it prints (and writes to ``OUT/summary.md``): per run the final train loss (mean
 of the last 5% of steps), the final validation loss and the median tokens/s; per optimizer the
 steps it needs to reach AdamW's best validation loss (linear interpolation between evaluations
@@ -33,6 +36,7 @@ import re
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,7 +100,7 @@ def parse_curves(text: str) -> tuple[list[list[float]], list[list[float]], list[
     return train, [[s, v] for s, v in sorted(val.items())], tps
 
 
-def train_one(run: Run, args) -> dict:
+def train_one(run: Run, args, concurrent: int = 1) -> dict:
     """Run ``run`` through train.sh; its record (curves, tokens/s, status)."""
     dump = args.out / "runs" / run.name
     cmd = [
@@ -125,6 +129,7 @@ def train_one(run: Run, args) -> dict:
         "name": run.name,
         "status": "ok" if ok else f"failed (rc {rc})",
         "wall_s": round(wall, 1),
+        "concurrent": concurrent,  # runs sharing the machine (tokens/s compared only at 1)
         "steps": args.steps,
         "train": train,
         "val": val,
@@ -140,6 +145,11 @@ def final_train_loss(record: dict) -> float:
     cut = record["steps"] * 0.95
     tail = [loss for step, loss in record["train"] if step > cut] or [record["train"][-1][1]]
     return statistics.fmean(tail)
+
+
+def solo(record: dict) -> bool:
+    """Whether the run had the machine to itself (its tokens/s is comparable)."""
+    return record.get("concurrent", 1) == 1
 
 
 def median_tps(record: dict) -> float:
@@ -175,20 +185,23 @@ def best_lr(records: list[dict], optimizer: str) -> float | None:
     return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
 
 
+def sweep_runs(args, optimizer: str) -> list[Run]:
+    lrs = args.lrs[optimizer] if not args.smoke else args.lrs[optimizer][:1]
+    return [Run(optimizer, float(lr), 0) for lr in lrs]
+
+
 def plan(args, records: list[dict]) -> list[Run]:
-    """The runs still to do, in order (sweeps first; seeds and MuonLP once the sweep is done)."""
+    """The runs still to do and ready to start, in order: the lr sweeps first; an optimizer's
+    other seeds once its sweep is done; MuonLP once Muon's sweep is done."""
     done = {r["name"] for r in records if r["status"] == "ok"}
-    runs = [
-        Run(opt, float(lr), 0)
-        for opt in args.optimizers
-        for lr in (args.lrs[opt] if not args.smoke else args.lrs[opt][:1])
-    ]
+    runs = [run for opt in args.optimizers for run in sweep_runs(args, opt)]
+    swept = {opt for opt in args.optimizers if {r.name for r in sweep_runs(args, opt)} <= done}
     for opt in args.optimizers:
         lr = best_lr(records, opt)
-        if lr is not None:
+        if opt in swept and lr is not None:
             runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
     muon_lr = best_lr(records, "muon")
-    if muon_lr is not None:
+    if "muon" in swept and muon_lr is not None:
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
     seen: set[str] = set()
     todo = []
@@ -197,6 +210,13 @@ def plan(args, records: list[dict]) -> list[Run]:
             seen.add(run.name)
             todo.append(run)
     return todo
+
+
+def solo_tps(records: list[dict], optimizer: str) -> float | None:
+    """Mean of the median tokens/s of ``optimizer``'s runs that had the machine to themselves,
+    at any lr (the lr does not change the work of a step)."""
+    tps = [median_tps(r) for r in records if r["optimizer"] == optimizer and solo(r)]
+    return statistics.fmean(tps) if tps else None
 
 
 def summarize(records: list[dict]) -> tuple[str, dict]:
@@ -208,9 +228,10 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         "|" + " --- |" * 6,
     ]
     for r in sorted(ok, key=lambda r: (r["optimizer"], r["lr"], r["seed"])):
+        tps = f"{median_tps(r):,.0f}" + ("" if solo(r) else f" (shared by {r['concurrent']})")
         lines.append(
             f"| {r['name']} | {final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
-            f"{min(v for _, v in r['val']):.4f} | {median_tps(r):,.0f} | {r['wall_s']:.0f} |"
+            f"{min(v for _, v in r['val']):.4f} | {tps} | {r['wall_s']:.0f} |"
         )
     for r in records:
         if r["status"] != "ok":
@@ -227,15 +248,15 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
     lines += [
         "",
         "| optimizer | best lr | seeds | final val loss (mean) | steps to AdamW's best val loss "
-        "| / AdamW's | tokens/s / AdamW's |",
+        "| / AdamW's | tokens/s / AdamW's (runs alone) |",
         "|" + " --- |" * 7,
     ]
     adam_steps = steps_to_reach(mean_curve(adam), target) if adam else None
-    adam_tps = statistics.fmean(median_tps(r) for r in adam) if adam else None
+    adam_tps = solo_tps(ok, "adamw")
     for opt, runs in groups.items():
         curve = mean_curve(runs)
         steps = steps_to_reach(curve, target) if target is not None else None
-        tps = statistics.fmean(median_tps(r) for r in runs)
+        tps = solo_tps(ok, opt)
         ratio = steps / adam_steps if steps is not None and adam_steps else None
         row = {
             "lr": runs[0]["lr"],
@@ -243,7 +264,7 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             "final_val": curve[-1][1],
             "steps_to_adamw_best": steps,
             "steps_ratio": ratio,
-            "tps_ratio": tps / adam_tps if adam_tps else None,
+            "tps_ratio": tps / adam_tps if adam_tps and tps else None,
         }
         head[opt] = row
         cells = [
@@ -312,6 +333,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--nproc", type=int, default=1, help="processes per run (train.sh NPROC)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="ready runs launched at once (sharing the machine: their tokens/s is "
+                   "left out of the speed comparison)")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="launch no run that would end after this many seconds")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
@@ -353,14 +377,20 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - start + estimate > args.budget_s:
             print(f"[bench_convergence] budget reached; {len(todo)} runs left", flush=True)
             break
-        record = train_one(todo[0], args)
-        records = [r for r in records if r["name"] != record["name"]] + [record]
+        batch = todo[: max(1, args.parallel)]
+        n = len(batch)
+        with ThreadPoolExecutor(n) as pool:
+            finished = list(pool.map(train_one, batch, [args] * n, [n] * n))
+        names = {r["name"] for r in finished}
+        records = [r for r in records if r["name"] not in names] + finished
         data["runs"] = records
         data["machine"] = machine_text(args.nproc)
         data["date"] = datetime.date.today().isoformat()
         store.write_text(json.dumps(data))
-        if record["status"] != "ok":
-            print(f"[bench_convergence] {record['name']} {record['status']}; stopping", flush=True)
+        failed = [r for r in finished if r["status"] != "ok"]
+        if failed:
+            print(f"[bench_convergence] {failed[0]['name']} {failed[0]['status']}; stopping",
+                  flush=True)  # fmt: skip
             break
     table, head = summarize(records)
     meta = (

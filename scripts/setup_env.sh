@@ -113,7 +113,16 @@ case "${1:-}" in
     --titan03)
         setup_venv "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}" \
             "muon_plugin (editable) with torchtitan 0.3: $(extra_list torchtitan03)" \
-            -e "$root[torchtitan03]" ;;
+            -e "$root[torchtitan03]"
+        # The corpus (scripts/prepare_data.py) is defined by torchtitan 0.2.2's sources: keep
+        # that release's wheel beside 0.3 so both environments build the same data.
+        wheels="${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}/corpus-wheels"
+        if ! compgen -G "$wheels/torchtitan-0.2.2-*.whl" >/dev/null; then
+            say "corpus sources: downloading the torchtitan 0.2.2 wheel (no dependencies) to $wheels"
+            "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}/bin/python" -m pip download \
+                --disable-pip-version-check --quiet --no-deps --only-binary=:all: \
+                -d "$wheels" torchtitan==0.2.2
+        fi ;;
     *)
         echo "[setup_env] unknown option $1 (expected none or --titan03)" >&2
         exit 2 ;;

@@ -68,13 +68,25 @@ if [[ "$HELP" == 0 && "$RELEASE" == 0.2.2 ]]; then
     DUMP_FOLDER="$("$PYTHON" -m muon_plugin.torchtitan.check "$CONFIG" "$@")" || exit 2
 fi
 
+# The run's log: DUMP_FOLDER/logs/<date-time>/train.log gets everything printed from here on.
+LOG_DIR=""
+RUN_LOG=/dev/null
+if [[ -n "$DUMP_FOLDER" ]]; then
+    LOG_DIR="$DUMP_FOLDER/logs/$(date +%Y%m%d-%H%M%S)"
+    mkdir -p "$LOG_DIR"
+    RUN_LOG="$LOG_DIR/train.log"
+    export MUON_RUN_LOG="$RUN_LOG"   # the run summary names it
+    echo "train.sh: log: $RUN_LOG (every rank: $LOG_DIR/ranks)"
+fi
+say() { echo "$*" | tee -a "$RUN_LOG"; }
+
 # Local data (idempotent: a no-op once data/ is up to date).
 DATA_DIR="${DATA_DIR:-data}"
 if [[ "${SKIP_PREPARE_DATA:-0}" == 1 ]]; then
-    echo "[train] data: $DATA_DIR as it is (SKIP_PREPARE_DATA=1, e.g. built on another machine)"
+    say "[train] data: $DATA_DIR as it is (SKIP_PREPARE_DATA=1, e.g. built on another machine)"
 else
-    echo "[train] data: scripts/prepare_data.py --out $DATA_DIR"
-    "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet
+    say "[train] data: scripts/prepare_data.py --out $DATA_DIR"
+    "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet 2>&1 | tee -a "$RUN_LOG"
 fi
 
 if [[ -z "${NPROC:-}" ]]; then
@@ -100,17 +112,13 @@ if [[ "$RELEASE" == 0.3 ]]; then
 else
     TRAIN=(-m torchtitan.train --job.config_file "$CONFIG" "$@")
 fi
-echo "[train] torchrun: $NPROC processes, ${TRAIN[*]}"
-if [[ -z "$DUMP_FOLDER" ]]; then
+say "[train] torchrun: $NPROC processes, ${TRAIN[*]}"
+if [[ -z "$LOG_DIR" ]]; then
     exec "${TORCHRUN[@]}" "${TRAIN[@]}"
 fi
-LOG_DIR="$DUMP_FOLDER/logs/$(date +%Y%m%d-%H%M%S)"
-mkdir -p "$LOG_DIR"
-export MUON_RUN_LOG="$LOG_DIR/train.log"
-echo "train.sh: log: $MUON_RUN_LOG (every rank: $LOG_DIR/ranks)"
 set +e
-"${TORCHRUN[@]}" --log-dir "$LOG_DIR/ranks" "${TRAIN[@]}" 2>&1 | tee "$MUON_RUN_LOG"
+"${TORCHRUN[@]}" --log-dir "$LOG_DIR/ranks" "${TRAIN[@]}" 2>&1 | tee -a "$RUN_LOG"
 STATUS=${PIPESTATUS[0]}
 set -e
-echo "train.sh: log: $MUON_RUN_LOG (every rank: $LOG_DIR/ranks)"
+echo "train.sh: log: $RUN_LOG (every rank: $LOG_DIR/ranks)"
 exit "$STATUS"

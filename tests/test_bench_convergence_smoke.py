@@ -44,12 +44,14 @@ def test_summary_picks_best_lr_and_compares_with_adamw():
         _record("adamw", 1e-3, 0, [[10, 5.0], [20, 4.0]]),
         _record("adamw", 2e-3, 0, [[10, 4.8], [20, 3.8]]),  # AdamW's best: 3.8 at step 20
         _record("muon", 4e-3, 0, [[10, 3.8], [20, 3.0]], tps=97.0),  # reaches 3.8 at step 10
-        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]]),
+        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]], tps=97.0),
         _record("muonlp-int8", 4e-3, 0, [[10, 3.9], [20, 3.03]]),
+        {**_record("muon", 4e-3, 1, [[10, 3.8], [20, 3.0]], tps=50.0), "concurrent": 2},
     ]
-    _, head = bc.summarize(records)
+    table, head = bc.summarize(records)
+    assert "(shared by 2)" in table  # a run that shared the machine: its tokens/s not compared
     assert head["adamw"]["lr"] == 2e-3 and head["muon"]["lr"] == 4e-3
-    assert head["muon"]["steps_ratio"] == pytest.approx(0.5)
+    assert head["muon"]["steps_ratio"] == pytest.approx(0.5) and head["muon"]["seeds"] == 2
     assert head["muon"]["tps_ratio"] == pytest.approx(0.97)
     assert head["muonlp-int8"]["val_gap_vs_muon"] == pytest.approx(0.01)
 
@@ -59,6 +61,11 @@ def test_plan_runs_sweep_then_seeds_then_lp():
     first = bc.plan(args, [])
     assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3
     done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
+    # A sweep still running: no other seeds or MuonLP of that optimizer are ready yet.
+    partial = bc.plan(args, done[:4])
+    assert [r.name for r in partial] == [
+        "muon-lr0.004-seed0", "muon-lr0.008-seed0", "adamw-lr0.001-seed1"
+    ]  # fmt: skip
     names = [r.name for r in bc.plan(args, done)]
     assert names == [
         "adamw-lr0.001-seed1", "muon-lr0.002-seed1",
@@ -72,14 +79,14 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
         "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
-        "--out", str(out),
+        "--out", str(out), "--parallel", "2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "curves.json").read_text())
     assert sorted(r["optimizer"] for r in data["runs"]) == ["adamw", "muon"]
     for run in data["runs"]:
-        assert run["status"] == "ok"
+        assert run["status"] == "ok" and run["concurrent"] == 2  # both sweeps ran at once
         assert [s for s, _ in run["train"]] == [1, 2, 3]
         assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
     summary = json.loads((out / "summary.json").read_text())
