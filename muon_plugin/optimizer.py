@@ -251,6 +251,8 @@ class Muon(Optimizer):
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
+        for key in NUMBER_KEYS:  # before the params are read, as torch.optim does
+            validate_number(key, defaults[key])
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ copies
@@ -750,22 +752,32 @@ def check_state_entry(
             )
 
 
+NUMBER_KEYS = ("lr", "wd", "adam_eps", "ns_eps")
+"""Settings that must be a number >= 0 (or a one-element Tensor holding one)."""
+
+
+def validate_number(key: str, value: Any) -> None:
+    """Raise ValueError naming ``key`` unless ``value`` is a number >= 0 or a one-element
+    Tensor holding one."""
+    number = value
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"Tensor {key} must be 1-element (a number or a one-element Tensor), got "
+                f"a Tensor of shape {tuple(value.shape)}"
+            )
+        number = value.item()
+    if not isinstance(number, (int, float)) or math.isnan(number) or number < 0:
+        raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+
+
 def validate_group(group: dict[str, Any]) -> None:
     """Raise ValueError naming the key, value or parameter that makes ``group`` unusable."""
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-    for key in ("lr", "wd", "adam_eps", "ns_eps"):
-        value = group[key]
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"Tensor {key} must be 1-element (a number or a one-element Tensor), got "
-                    f"a Tensor of shape {tuple(value.shape)}"
-                )
-            value = value.item()
-        if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-            raise ValueError(f"{key} must be a number >= 0, got {group[key]!r}")
+    for key in NUMBER_KEYS:
+        validate_number(key, group[key])
     betas = group["adam_betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
