@@ -8,7 +8,15 @@ the seed changed. The plan, in order (``--budget-s`` stops launching runs that w
 1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``),
 2. ``--seeds`` more seeds of each at its best lr (lowest final validation loss),
 3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
-   each seed.
+   each seed,
+4. Muon at its best lr and each seed with shorter schedules (``--budgets``: the same warm-up,
+   the cosine decay ending at the budget): the steps Muon needs to reach AdamW's best
+   validation loss are those of the shortest schedule that reaches it (linear between budgets),
+   the usual way to compare optimizers' step efficiency; the step where a full-length Muon run
+   crosses that loss is reported beside it, but it is measured mid-schedule, at a high lr;
+5. ``--speed-repeats`` pairs of short speed runs (AdamW, then Muon, each alone on the machine,
+   no validation, ``--speed-steps`` steps): their tokens/s (median over the logged windows after
+   warm-up, then the median over repeats, with the spread) give the speed comparison.
 
 Every finished run is kept in ``OUT/curves.json`` (train and validation curves, tokens/s) and
 a rerun with the same ``--out`` skips it, so the plan can be split over several invocations.
@@ -73,10 +81,15 @@ class Run:
     optimizer: str  # "adamw", "muon" or "muonlp-<dtype>"
     lr: float
     seed: int
+    budget: int | None = None  # a shorter schedule (steps); None: the full --steps
+    speed: int | None = None  # a speed run (its repeat number): alone, no validation
 
     @property
     def name(self) -> str:
-        return f"{self.optimizer}-lr{self.lr:g}-seed{self.seed}"
+        if self.speed is not None:
+            return f"speed-{self.optimizer}-lr{self.lr:g}-{self.speed}"
+        budget = "" if self.budget is None else f"-steps{self.budget}"
+        return f"{self.optimizer}-lr{self.lr:g}-seed{self.seed}{budget}"
 
     def job_args(self) -> list[str]:
         if self.optimizer.startswith("muonlp-"):
@@ -84,6 +97,11 @@ class Run:
         else:
             opt = OPTIMIZER_ARGS[self.optimizer]
         return [*opt, "--optimizer.lr", f"{self.lr:g}", "--debug.seed", str(self.seed)]
+
+    def steps(self, args) -> int:
+        if self.speed is not None:
+            return args.speed_steps
+        return args.steps if self.budget is None else self.budget
 
 
 def parse_curves(text: str) -> tuple[list[list[float]], list[list[float]], list[float]]:
@@ -103,10 +121,12 @@ def parse_curves(text: str) -> tuple[list[list[float]], list[list[float]], list[
 def train_one(run: Run, args, concurrent: int = 1) -> dict:
     """Run ``run`` through train.sh; its record (curves, tokens/s, status)."""
     dump = args.out / "runs" / run.name
+    steps = run.steps(args)
     cmd = [
         "bash", str(ROOT / "scripts" / "train.sh"), str(CONFIG), *run.job_args(),
-        "--training.steps", str(args.steps),
-        "--validation.freq", str(args.val_every),
+        "--training.steps", str(steps),
+        *(["--validation.freq", str(args.val_every)] if run.speed is None
+          else ["--validation.no-enable"]),
         "--validation.steps", str(args.val_steps),
         "--metrics.log_freq", str(args.log_every),
         "--job.dump_folder", str(dump),
@@ -121,7 +141,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "train.log").write_text(text)
     train, val, tps = parse_curves(text)
-    ok = rc == 0 and train and val and train[-1][0] == args.steps
+    ok = rc == 0 and train and (val or run.speed is not None) and train[-1][0] == steps
     if not ok:
         print(text[-3000:], file=sys.stderr)
     return {
@@ -130,7 +150,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "status": "ok" if ok else f"failed (rc {rc})",
         "wall_s": round(wall, 1),
         "concurrent": concurrent,  # runs sharing the machine (tokens/s compared only at 1)
-        "steps": args.steps,
+        "steps": steps,
         "train": train,
         "val": val,
         "tps": tps,
@@ -150,6 +170,11 @@ def final_train_loss(record: dict) -> float:
 def solo(record: dict) -> bool:
     """Whether the run had the machine to itself (its tokens/s is comparable)."""
     return record.get("concurrent", 1) == 1
+
+
+def full_length(record: dict) -> bool:
+    """A training run of the full schedule (not a shorter budget, not a speed run)."""
+    return record.get("budget") is None and record.get("speed") is None
 
 
 def median_tps(record: dict) -> float:
@@ -180,8 +205,13 @@ def steps_to_reach(curve: list[list[float]], target: float) -> float | None:
 
 
 def best_lr(records: list[dict], optimizer: str) -> float | None:
-    """The lr of ``optimizer`` whose seed-0 run ends with the lowest validation loss."""
-    sweep = [r for r in records if r["optimizer"] == optimizer and r["seed"] == 0 and r["val"]]
+    """The lr of ``optimizer`` whose full-length seed-0 run ends with the lowest validation
+    loss."""
+    sweep = [
+        r
+        for r in records
+        if r["optimizer"] == optimizer and r["seed"] == 0 and r["val"] and full_length(r)
+    ]
     return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
 
 
@@ -192,7 +222,8 @@ def sweep_runs(args, optimizer: str) -> list[Run]:
 
 def plan(args, records: list[dict]) -> list[Run]:
     """The runs still to do and ready to start, in order: the lr sweeps first; an optimizer's
-    other seeds once its sweep is done; MuonLP once Muon's sweep is done."""
+    other seeds once its sweep is done; MuonLP and Muon's shorter schedules once Muon's sweep
+    is done; the speed runs once every sweep is done."""
     done = {r["name"] for r in records if r["status"] == "ok"}
     runs = [run for opt in args.optimizers for run in sweep_runs(args, opt)]
     swept = {opt for opt in args.optimizers if {r.name for r in sweep_runs(args, opt)} <= done}
@@ -203,6 +234,13 @@ def plan(args, records: list[dict]) -> list[Run]:
     muon_lr = best_lr(records, "muon")
     if "muon" in swept and muon_lr is not None:
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
+        runs += [Run("muon", muon_lr, seed, budget=b) for b in args.budgets for seed in args.seeds]
+    if swept == set(args.optimizers):
+        runs += [
+            Run(opt, best_lr(records, opt) or 0.0, 0, speed=i)
+            for i in range(args.speed_repeats)
+            for opt in args.optimizers
+        ]
     seen: set[str] = set()
     todo = []
     for run in runs:
@@ -212,11 +250,61 @@ def plan(args, records: list[dict]) -> list[Run]:
     return todo
 
 
+def next_batch(todo: list[Run], parallel: int) -> list[Run]:
+    """The runs to launch together: up to ``parallel`` training runs, else one speed run (a
+    speed run always has the machine to itself)."""
+    shared = [r for r in todo if r.speed is None]
+    return shared[: max(1, parallel)] if shared else todo[:1]
+
+
 def solo_tps(records: list[dict], optimizer: str) -> float | None:
     """Mean of the median tokens/s of ``optimizer``'s runs that had the machine to themselves,
     at any lr (the lr does not change the work of a step)."""
     tps = [median_tps(r) for r in records if r["optimizer"] == optimizer and solo(r)]
     return statistics.fmean(tps) if tps else None
+
+
+def speed_table(records: list[dict]) -> tuple[list[str], dict[str, dict]]:
+    """Tokens/s of the speed runs per optimizer: median over repeats and the spread."""
+    stats: dict[str, dict] = {}
+    for opt in sorted({r["optimizer"] for r in records if r.get("speed") is not None}):
+        tps = [
+            median_tps(r) for r in records if r["optimizer"] == opt and r.get("speed") is not None
+        ]
+        stats[opt] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps),
+                      "repeats": len(tps)}  # fmt: skip
+    if not stats:
+        return [], stats
+    lines = ["", "| speed runs (alone) | repeats | tokens/s median | min | max | / AdamW's |",
+             "|" + " --- |" * 6]  # fmt: skip
+    base = stats.get("adamw", {}).get("median")
+    for opt, st in stats.items():
+        ratio = f"{st['median'] / base:.3f}" if base else "-"
+        lines.append(f"| {opt} | {st['repeats']} | {st['median']:,.0f} | {st['min']:,.0f} | "
+                     f"{st['max']:,.0f} | {ratio} |")  # fmt: skip
+    return lines, stats
+
+
+def schedule_table(
+    records: list[dict], runs: list[dict], target: float
+) -> tuple[list[str], dict | None]:
+    """Muon's shorter schedules (same seeds as ``runs``, its full-length best-lr runs): the
+    mean final validation loss per schedule length and the shortest length that reaches
+    ``target`` (linear between lengths; an upper bound when the shortest already reaches it)."""
+    lr, seeds = runs[0]["lr"], {r["seed"] for r in runs}
+    by_len: dict[int, list[float]] = {}
+    for r in records:
+        if r["optimizer"] == "muon" and r["lr"] == lr and r.get("budget") and r["seed"] in seeds:
+            by_len.setdefault(r["budget"], []).append(r["val"][-1][1])
+    if not by_len:
+        return [], None
+    by_len[runs[0]["steps"]] = [r["val"][-1][1] for r in runs]
+    curve = [[n, statistics.fmean(v)] for n, v in sorted(by_len.items())]
+    steps = steps_to_reach(curve, target)
+    lines = ["", f"| Muon schedule length (lr {lr:g}) | seeds | final val loss (mean) |",
+             "|" + " --- |" * 3]  # fmt: skip
+    lines += [f"| {n} | {len(by_len[n])} | {v:.4f} |" for n, v in curve]
+    return lines, {"steps": steps, "upper_bound": steps == curve[0][0], "curve": curve}
 
 
 def summarize(records: list[dict]) -> tuple[str, dict]:
@@ -227,7 +315,8 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         "| wall s |",
         "|" + " --- |" * 6,
     ]
-    for r in sorted(ok, key=lambda r: (r["optimizer"], r["lr"], r["seed"])):
+    key = lambda r: (r["optimizer"], r["lr"], r.get("budget") or 0, r["seed"])  # noqa: E731
+    for r in sorted((r for r in ok if r.get("speed") is None), key=key):
         tps = f"{median_tps(r):,.0f}" + ("" if solo(r) else f" (shared by {r['concurrent']})")
         lines.append(
             f"| {r['name']} | {final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
@@ -237,26 +326,28 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |")
     head: dict = {}
+    full = [r for r in ok if full_length(r)]
     groups: dict[str, list[dict]] = {}
-    for opt in sorted({r["optimizer"] for r in ok}):
-        lr = best_lr(ok, opt) if not opt.startswith("muonlp-") else best_lr(ok, "muon")
-        chosen = [r for r in ok if r["optimizer"] == opt and r["lr"] == lr]
+    for opt in sorted({r["optimizer"] for r in full}):
+        lr = best_lr(full, opt) if not opt.startswith("muonlp-") else best_lr(full, "muon")
+        chosen = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
         if chosen:
             groups[opt] = chosen
     adam = groups.get("adamw")
     target = min(v for _, v in mean_curve(adam)) if adam else None
+    speed_lines, speed = speed_table(ok)
     lines += [
         "",
-        "| optimizer | best lr | seeds | final val loss (mean) | steps to AdamW's best val loss "
-        "| / AdamW's | tokens/s / AdamW's (runs alone) |",
+        "| optimizer | best lr | seeds | final val loss (mean) | step where the full run "
+        "reaches AdamW's best val loss | / AdamW's | tokens/s / AdamW's |",
         "|" + " --- |" * 7,
     ]
     adam_steps = steps_to_reach(mean_curve(adam), target) if adam else None
-    adam_tps = solo_tps(ok, "adamw")
+    adam_tps = speed["adamw"]["median"] if "adamw" in speed else solo_tps(full, "adamw")
     for opt, runs in groups.items():
         curve = mean_curve(runs)
         steps = steps_to_reach(curve, target) if target is not None else None
-        tps = solo_tps(ok, opt)
+        tps = speed[opt]["median"] if opt in speed else solo_tps(full, opt)
         ratio = steps / adam_steps if steps is not None and adam_steps else None
         row = {
             "lr": runs[0]["lr"],
@@ -265,6 +356,7 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             "steps_to_adamw_best": steps,
             "steps_ratio": ratio,
             "tps_ratio": tps / adam_tps if adam_tps and tps else None,
+            "tps_from": "speed runs" if opt in speed else "training runs alone",
         }
         head[opt] = row
         cells = [
@@ -282,6 +374,13 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         peers = [r for r in groups.get("muon", []) if r["seed"] in seeds]
         if opt.startswith("muonlp-") and peers:  # against fp32-state Muon on the same seeds
             head[opt]["val_gap_vs_muon"] = head[opt]["final_val"] / mean_curve(peers)[-1][1] - 1
+    if "muon" in groups and target is not None:
+        sched_lines, sched = schedule_table(ok, groups["muon"], target)
+        lines += sched_lines
+        if sched is not None and adam_steps:
+            head["muon"]["schedule"] = {**sched, "ratio": (sched["steps"] or 0) / adam_steps
+                                        if sched["steps"] is not None else None}  # fmt: skip
+    lines += speed_lines
     return "\n".join(lines), head
 
 
@@ -328,6 +427,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
     p.add_argument("--lp-seeds", default="0", help="seeds of the MuonLP runs")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--budgets",
+        default="120,180",
+        help="shorter Muon schedules (steps), at its best lr and --seeds ('' for none)",
+    )
+    p.add_argument(
+        "--speed-repeats",
+        type=int,
+        default=None,
+        help="pairs of speed runs (AdamW, Muon), each alone on the machine (default 2; 0 "
+        "with --smoke)",
+    )
+    p.add_argument("--speed-steps", type=int, default=100, help="steps of a speed run")
     p.add_argument("--val-every", type=int, default=30)
     p.add_argument("--val-steps", type=int, default=8)
     p.add_argument("--log-every", type=int, default=5)
@@ -353,11 +465,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.lp_seeds = [int(s) for s in args.lp_seeds.split(",") if s]
     args.lp = [d for d in args.lp.split(",") if d]
+    args.budgets = [int(b) for b in args.budgets.split(",") if b]
     for d in args.lp:
         if d not in LP_ARGS:
             p.error(f"--lp: unknown state dtype {d!r}; choose from {sorted(LP_ARGS)}")
     if args.smoke:
-        args.seeds, args.lp = [0], []
+        args.seeds, args.lp, args.budgets = [0], [], []
+    if args.speed_repeats is None:
+        args.speed_repeats = 0 if args.smoke else 2
     return args
 
 
@@ -372,12 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         todo = plan(args, records)
         if not todo:
             break
+        batch = next_batch(todo, args.parallel)
+        speed = batch[0].speed is not None
         walls = [r["wall_s"] for r in records if r["status"] == "ok"]
-        estimate = statistics.median(walls) if walls else 0.0
+        alike = [r["wall_s"] for r in records if r["status"] == "ok" and
+                 (r.get("speed") is not None) == speed]  # fmt: skip
+        estimate = statistics.median(alike or walls) if walls else 0.0
         if time.monotonic() - start + estimate > args.budget_s:
             print(f"[bench_convergence] budget reached; {len(todo)} runs left", flush=True)
             break
-        batch = todo[: max(1, args.parallel)]
         n = len(batch)
         with ThreadPoolExecutor(n) as pool:
             finished = list(pool.map(train_one, batch, [args] * n, [n] * n))
@@ -402,11 +520,20 @@ def main(argv: list[str] | None = None) -> int:
     plotted = plot(records, png)
     verdicts = []
     muon = head.get("muon")
+    sched = (muon or {}).get("schedule")
+    if sched and sched["ratio"] is not None:
+        bound = "at most " if sched["upper_bound"] else ""
+        verdicts.append(f"Muon's shortest schedule reaching AdamW's best validation loss: "
+                        f"{bound}{sched['steps']:.0f} steps, {bound}{sched['ratio']:.2f} of "
+                        "AdamW's (target <= 0.6)")  # fmt: skip
+    elif sched:
+        verdicts.append("no shorter Muon schedule reached AdamW's best validation loss")
     if muon and muon["steps_ratio"] is not None:
-        verdicts.append(f"Muon reaches AdamW's best validation loss in {muon['steps_ratio']:.2f}"
-                        " of AdamW's steps (target <= 0.6)")  # fmt: skip
+        verdicts.append(f"a full-length Muon run passes AdamW's best validation loss at "
+                        f"{muon['steps_ratio']:.2f} of AdamW's steps (mid-schedule)")  # fmt: skip
     if muon and muon["tps_ratio"] is not None:
-        verdicts.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's (target >= 0.97)")
+        verdicts.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's, from "
+                        f"{muon['tps_from']} (target >= 0.97)")  # fmt: skip
     for opt, row in head.items():
         if "val_gap_vs_muon" in row:
             verdicts.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "

@@ -56,8 +56,35 @@ def test_summary_picks_best_lr_and_compares_with_adamw():
     assert head["muonlp-int8"]["val_gap_vs_muon"] == pytest.approx(0.01)
 
 
+def test_shorter_schedules_and_speed_runs():
+    """Muon's steps to AdamW's best: the shortest schedule reaching it (linear between
+    schedule lengths); tokens/s from the speed runs (median over repeats)."""
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]),
+        {**_record("muon", 4e-3, 0, [[10, 3.9]], steps=10), "budget": 10},
+        {**_record("muon", 4e-3, 0, [[10, 4.2], [15, 3.7]], steps=15), "budget": 15},
+        {**_record("adamw", 1e-3, 0, [], tps=100.0), "speed": 0},
+        {**_record("adamw", 1e-3, 0, [], tps=102.0), "speed": 1},
+        {**_record("muon", 4e-3, 0, [], tps=98.0), "speed": 0},
+        {**_record("muon", 4e-3, 0, [], tps=97.0), "speed": 1},
+    ]
+    table, head = bc.summarize(records)
+    sched = head["muon"]["schedule"]
+    assert sched["curve"] == [[10, 3.9], [15, 3.7], [20, 3.0]]
+    assert sched["steps"] == pytest.approx(12.5) and sched["ratio"] == pytest.approx(0.625)
+    assert not sched["upper_bound"]
+    assert head["muon"]["tps_ratio"] == pytest.approx(97.5 / 101)
+    assert head["muon"]["tps_from"] == "speed runs"
+    assert head["muon"]["seeds"] == 1  # budget and speed runs are not full-length seeds
+    assert "| speed runs (alone) |" in table and "| 15 | 1 | 3.7000 |" in table
+
+
 def test_plan_runs_sweep_then_seeds_then_lp():
-    args = bc.parse_args(["--lp", "int8", "--seeds", "0,1", "--lp-seeds", "0,1"])
+    args = bc.parse_args(
+        ["--lp", "int8", "--seeds", "0,1", "--lp-seeds", "0,1", "--budgets", "150",
+         "--speed-repeats", "1"]
+    )  # fmt: skip
     first = bc.plan(args, [])
     assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3
     done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
@@ -70,7 +97,13 @@ def test_plan_runs_sweep_then_seeds_then_lp():
     assert names == [
         "adamw-lr0.001-seed1", "muon-lr0.002-seed1",
         "muonlp-int8-lr0.002-seed0", "muonlp-int8-lr0.002-seed1",
+        "muon-lr0.002-seed0-steps150", "muon-lr0.002-seed1-steps150",
+        "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0",
     ]  # fmt: skip
+    # Training runs share the machine; a speed run has it to itself, after them.
+    todo = bc.plan(args, done)
+    assert [r.name for r in bc.next_batch(todo, 3)] == names[:3]
+    assert [r.name for r in bc.next_batch(todo[6:], 3)] == ["speed-adamw-lr0.001-0"]
 
 
 def test_smoke_run_writes_its_outputs(tmp_path):
@@ -79,19 +112,28 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
         "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
-        "--out", str(out), "--parallel", "2",
+        "--out", str(out), "--parallel", "2", "--speed-repeats", "1", "--speed-steps", "2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "curves.json").read_text())
-    assert sorted(r["optimizer"] for r in data["runs"]) == ["adamw", "muon"]
-    for run in data["runs"]:
+    runs = {r["name"]: r for r in data["runs"]}
+    assert sorted(runs) == [
+        "adamw-lr0.001-seed0", "muon-lr0.002-seed0", "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0"
+    ]  # fmt: skip
+    for name in ("adamw-lr0.001-seed0", "muon-lr0.002-seed0"):
+        run = runs[name]
         assert run["status"] == "ok" and run["concurrent"] == 2  # both sweeps ran at once
         assert [s for s, _ in run["train"]] == [1, 2, 3]
         assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
+    for name in ("speed-adamw-lr0.001-0", "speed-muon-lr0.002-0"):  # alone, no validation
+        run = runs[name]
+        assert run["status"] == "ok" and run["concurrent"] == 1 and run["val"] == []
+        assert [s for s, _ in run["train"]] == [1, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["optimizers"]) == {"adamw", "muon"}
-    assert "steps to AdamW's best val loss" in (out / "summary.md").read_text()
+    summary_md = (out / "summary.md").read_text()
+    assert "reaches AdamW's best val loss" in summary_md and "| speed runs (alone) |" in summary_md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
