@@ -11,45 +11,45 @@ param groups. Data and tokenizer: scripts/prepare_data.py (``data/``, built by t
 Runs on CPUs (gloo) through ``muon_plugin.torchtitan03.train``, unchanged on GPUs.
 """
 
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import LRSchedulersContainer
-from torchtitan.components.validate import Validator
-from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from dataclasses import replace
+
 from torchtitan.trainer import Trainer
 
 from muon_plugin.torchtitan03.container import MuonOptimizersContainer
 
 
 def _muon_job(config: Trainer.Config, *, name: str, lr: float, steps: int) -> Trainer.Config:
+    """``config`` (a shipped debug config) with Muon, the local data and CPU-friendly sizes;
+    every other setting of the shipped config (PP schedule, activation checkpointing, ...)
+    is kept."""
     config.dump_folder = f"./outputs/{name}"
     config.hf_assets_path = "./data/tokenizer"
     config.optimizer = MuonOptimizersContainer.Config(
         lr=lr, weight_decay=0.1, eps=1e-8, muon_toml=f"configs/{name}.toml"
     )
-    config.lr_scheduler = LRSchedulersContainer.Config(
-        warmup_steps=4, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.1
-    )
-    config.training = TrainingConfig(
+    config.lr_scheduler = replace(
+        config.lr_scheduler, warmup_steps=4, decay_ratio=0.5, decay_type="linear",
+        min_lr_factor=0.1,
+    )  # fmt: skip
+    config.training = replace(
+        config.training,
         local_batch_size=2,
         seq_len=256,
         steps=steps,
         max_norm=1.0,
         mixed_precision_param="float32",  # bf16 matmuls are slow on most CPUs
     )
-    config.dataloader = HuggingFaceTextDataLoader.Config(
-        dataset="c4_test", dataset_path="./data/corpus"
-    )
-    config.metrics = MetricsProcessor.Config(log_freq=1)
+    config.dataloader = replace(config.dataloader, dataset="c4_test", dataset_path="./data/corpus")
+    config.metrics = replace(config.metrics, log_freq=1)
     # torchtitan 0.3's default "spmd_types" backend needs a newer torch for FSDP over
     # several processes; "partial_dtensor" works on every torch it runs with.
-    config.parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    config.checkpoint = CheckpointManager.Config(
-        enable=False, folder="checkpoint", interval=10, last_save_model_only=False
-    )
-    config.validator = Validator.Config(enable=False)
-    config.debug = DebugConfig(seed=42)
+    config.parallelism = replace(config.parallelism, spmd_backend="partial_dtensor")
+    config.checkpoint = replace(
+        config.checkpoint, enable=False, folder="checkpoint", interval=10,
+        last_save_model_only=False,
+    )  # fmt: skip
+    config.validator = replace(config.validator, enable=False)
+    config.debug = replace(config.debug, seed=42)
     return config
 
 

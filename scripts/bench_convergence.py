@@ -384,8 +384,19 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
     return "\n".join(lines), head
 
 
+COLORS = {"adamw": "tab:blue", "muon": "tab:red", "muonlp-int8": "tab:green",
+          "muonlp-int4": "tab:olive", "muonlp-fp8": "tab:purple"}  # fmt: skip
+
+
+def smooth(values: list[float], width: int = 5) -> list[float]:
+    """Trailing moving average (the logged train loss swings with the documents of a step)."""
+    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
 def plot(records: list[dict], path: Path) -> bool:
-    """Train and validation curves of every finished run as a PNG; False without matplotlib."""
+    """The PNG: validation loss of each optimizer at its best lr (seed mean) with Muon's shorter
+    schedules and AdamW's best as a line; final validation loss against lr (the sweeps); the
+    smoothed train loss at the best lrs. False without matplotlib."""
     try:
         import matplotlib
 
@@ -393,17 +404,44 @@ def plot(records: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in sorted((r for r in records if r["status"] == "ok"), key=lambda r: r["name"]):
-        steps, losses = zip(*r["train"], strict=True)
-        ax_t.plot(steps, losses, lw=0.8, label=r["name"])
-        vsteps, vlosses = zip(*r["val"], strict=True)
-        ax_v.plot(vsteps, vlosses, marker="o", ms=3, lw=1, label=r["name"])
-    for ax, title in ((ax_t, "train loss"), (ax_v, "validation loss")):
-        ax.set_xlabel("step")
+    ok = [r for r in records if r["status"] == "ok" and r.get("speed") is None]
+    full = [r for r in ok if full_length(r)]
+    fig, (ax_v, ax_lr, ax_t) = plt.subplots(1, 3, figsize=(16, 4.6))
+    best: dict[str, list[dict]] = {}
+    for opt in sorted({r["optimizer"] for r in full}):
+        lr = best_lr(full, "muon" if opt.startswith("muonlp-") else opt)
+        best[opt] = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
+    for opt, runs in best.items():
+        color = COLORS.get(opt)
+        steps, losses = zip(*mean_curve(runs), strict=True)
+        label = f"{opt} lr {runs[0]['lr']:g} ({len(runs)} seeds)"
+        ax_v.plot(steps, losses, marker="o", ms=3, lw=1.2, color=color, label=label)
+        train = [dict(map(tuple, r["train"])) for r in runs]
+        tsteps = sorted(set.intersection(*(set(t) for t in train)))
+        mean = [statistics.fmean(t[s] for t in train) for s in tsteps]
+        ax_t.plot(tsteps, smooth(mean), lw=1, color=color, label=opt)
+    for budget in sorted({r["budget"] for r in ok if r.get("budget")}):
+        runs = [r for r in ok if r.get("budget") == budget and r["optimizer"] == "muon"]
+        steps, losses = zip(*mean_curve(runs), strict=True)
+        ax_v.plot(steps, losses, ls="--", marker=".", lw=1, color=COLORS["muon"], alpha=0.6,
+                  label=f"muon, {budget}-step schedule")  # fmt: skip
+    if "adamw" in best:
+        target = min(v for _, v in mean_curve(best["adamw"]))
+        ax_v.axhline(target, color=COLORS["adamw"], ls=":", lw=1, label="AdamW's best")
+    for opt in ("adamw", "muon"):
+        sweep = sorted((r["lr"], r["val"][-1][1]) for r in full if r["optimizer"] == opt
+                       and r["seed"] == 0)  # fmt: skip
+        if sweep:
+            ax_lr.plot(*zip(*sweep, strict=True), marker="o", color=COLORS[opt], label=opt)
+    ax_lr.set_xscale("log")
+    ax_v.set_ylim(top=min(6.0, ax_v.get_ylim()[1]))
+    for ax, title, xlabel in ((ax_v, "validation loss", "step"),
+                              (ax_lr, "final validation loss (seed 0)", "lr"),
+                              (ax_t, "train loss (moving average of 5 logs)", "step")):  # fmt: skip
         ax.set_title(title)
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    ax_v.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

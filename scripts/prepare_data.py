@@ -2,15 +2,14 @@
 """Build the local training corpus and a BPE tokenizer for the torchtitan demo configs.
 
 Nothing is downloaded, and the result is the same on every machine with the same pinned
-packages: the text is the Python source (code, comments and docstrings) of the pinned packages
-(``torch==2.13.0`` and ``torchtitan==0.2.2``), found with :mod:`importlib` and read as bytes
-in sorted path order, so it does not depend on the user, ``HOME``, user-site paths, the locale
-or which Python's standard library is installed. Files that differ between builds of the same
-release (``torch/version.py`` names the CUDA version) are left out. One file is one document.
-Where another release of a corpus package is installed (torchtitan 0.3's environment), its
-sources are read from the pinned release's wheel in ``--wheels`` instead (default
-``<venv>/corpus-wheels``, filled by ``scripts/setup_env.sh --titan03``), so both environments
-build the same corpus.
+packages: the text is the Python source (code, comments and docstrings) of the environment's
+pinned packages, found with :mod:`importlib` and read as bytes in sorted path order, so it does
+not depend on the user, ``HOME``, user-site paths, the locale or which Python's standard library
+is installed. Files that differ between builds of the same release (``torch/version.py`` names
+the CUDA version) are left out. One file is one document. Each environment of the project has
+its corpus (``CORPORA``): torch 2.13.0 + torchtitan 0.2.2 (``./.venv``) and torch 2.14.1 +
+torchtitan 0.3.0 (``./.venv-titan03``); an up-to-date ``OUT`` built by either is kept, so the
+two environments share one ``data/`` (the manifest and the log say which corpus it is).
 
 Output (default ``data/``, change with ``--out``)::
 
@@ -47,15 +46,18 @@ import shutil
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 FORMAT_VERSION = 2
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 PAD = "<|pad|>"
-# The pinned packages whose sources make the corpus, and the release each must be.
-PACKAGES = {"torch": "2.13.0", "torchtitan": "0.2.2"}
+# The corpora: the packages whose sources make one, and their releases (one per environment).
+CORPORA = (
+    {"torch": "2.13.0", "torchtitan": "0.2.2"},  # ./.venv (torchtitan 0.2.2)
+    {"torch": "2.14.1", "torchtitan": "0.3.0"},  # ./.venv-titan03 (torchtitan 0.3)
+)
+PACKAGES = tuple(CORPORA[0])
 # Files that differ between builds of one release (CPU vs CUDA wheels).
 BUILD_SPECIFIC = {"torch/version.py"}
 SKIP_DIRS = {"__pycache__"}
@@ -82,63 +84,35 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def package_versions(wheels: Path, check: bool) -> dict[str, str]:
-    """The release each corpus package is read from: the pin when it is installed or its wheel
-    is in ``wheels``; with ``check``, refuse anything else."""
-    found = {}
-    for name, pin in PACKAGES.items():
-        installed = release(importlib.metadata.version(name))
-        found[name] = pin if installed != pin and pinned_wheel(wheels, name) else installed
-    wrong = {n: v for n, v in found.items() if v != PACKAGES[n]}
-    if check and wrong:
-        want = ", ".join(f"{n}=={PACKAGES[n]}" for n in wrong)
-        have = ", ".join(f"{n} {v}" for n, v in wrong.items())
+def package_versions(check: bool) -> dict[str, str]:
+    """The installed release of each corpus package; with ``check``, refuse a set of releases
+    that is not one of ``CORPORA``."""
+    found = {name: release(importlib.metadata.version(name)) for name in PACKAGES}
+    if check and found not in CORPORA:
+        want = " or ".join(", ".join(f"{n}=={v}" for n, v in c.items()) for c in CORPORA)
+        have = ", ".join(f"{n} {v}" for n, v in found.items())
         raise SystemExit(
-            f"[prepare_data] the corpus is defined by {want}, found {have} and no such wheel in "
-            f"{wheels}; use the project's environments (scripts/setup_env.sh) or pass "
-            "--any-version (the corpus will differ)"
+            f"[prepare_data] a corpus is defined by {want}; found {have}: use the project's "
+            "environments (scripts/setup_env.sh) or pass --any-version (the corpus will differ)"
         )
     return found
 
 
-def pinned_wheel(wheels: Path, name: str) -> Path | None:
-    """The wheel of ``name``'s pinned release in ``wheels``, if there is one."""
-    found = sorted(wheels.glob(f"{name}-{PACKAGES[name]}-*.whl")) if wheels.is_dir() else []
-    return found[0] if found else None
-
-
-def package_sources(name: str, version: str, wheels: Path) -> list[tuple[str, bytes]]:
-    """``(path relative to site-packages, bytes)`` of every ``.py`` file of ``name``: from the
-    installed package when it is ``version``, else from that release's wheel in ``wheels``."""
-    if release(importlib.metadata.version(name)) != version:
-        wheel = pinned_wheel(wheels, name)
-        assert wheel is not None, f"no {name} {version} wheel in {wheels}"
-        with zipfile.ZipFile(wheel) as z:
-            return [
-                (info.filename, z.read(info))
-                for info in z.infolist()
-                if info.filename.startswith(f"{name}/") and info.filename.endswith(".py")
-                and not set(info.filename.split("/")) & SKIP_DIRS
-            ]  # fmt: skip
-    base = package_dir(name).parent
-    out = []
-    for dirpath, dirnames, filenames in os.walk(base / name):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        for f in filenames:
-            if f.endswith(".py"):
-                path = Path(dirpath, f)
-                out.append((path.relative_to(base).as_posix(), path.read_bytes()))
-    return out
-
-
-def source_documents(versions: dict[str, str], wheels: Path) -> list[tuple[str, str]]:
+def source_documents() -> list[tuple[str, str]]:
     """``(relative path, text)`` of each distinct source file of PACKAGES, sorted by path."""
     docs = []
     for name in sorted(PACKAGES):
-        for rel, raw in package_sources(name, versions[name], wheels):
+        base = package_dir(name).parent
+        paths = []
+        for dirpath, dirnames, filenames in os.walk(base / name):
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+            paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+        for path in paths:
+            rel = path.relative_to(base).as_posix()
             if rel in BUILD_SPECIFIC:
                 continue
-            text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n").strip()
+            text = path.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n")
+            text = text.strip()
             if len(text) >= MIN_DOC_BYTES:
                 docs.append((rel, text))
     docs.sort(key=lambda d: d[0].encode())
@@ -232,7 +206,8 @@ def _manifest_key(args: argparse.Namespace, versions: dict[str, str]) -> dict:
 
 
 def _up_to_date(out: Path, key: dict) -> dict | None:
-    """The manifest when ``out`` holds every output built with ``key``, else None."""
+    """The manifest when ``out`` holds every output built with ``key``, or with the same
+    options from another of ``CORPORA`` (the other environment's), else None."""
     manifest = out / "manifest.json"
     if not manifest.is_file() or not all((out / rel).is_file() for rel in OUTPUTS):
         return None
@@ -240,7 +215,10 @@ def _up_to_date(out: Path, key: dict) -> dict | None:
         data = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return None
-    return data if data.get("key") == key else None
+    saved = data.get("key")
+    if not isinstance(saved, dict) or saved.get("packages") not in (key["packages"], *CORPORA):
+        return None
+    return data if {**saved, "packages": key["packages"]} == key else None
 
 
 def write_jsonl(path: Path, texts: list[str]) -> None:
@@ -281,26 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="build from whatever torch/torchtitan is installed, not only the pinned releases",
     )
-    parser.add_argument(
-        "--wheels",
-        type=Path,
-        default=Path(sys.prefix) / "corpus-wheels",
-        help="where to find the pinned releases' wheels when another release is installed "
-        "(default: <venv>/corpus-wheels)",
-    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the result line")
     args = parser.parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print("[prepare_data]", *a))
 
     out = Path(args.out)
-    versions = package_versions(args.wheels, check=not args.any_version)
+    versions = package_versions(check=not args.any_version)
     key = _manifest_key(args, versions)
     if not args.force and (done := _up_to_date(out, key)):
-        print(f"[prepare_data] {out} is up to date: corpus sha256 {done['corpus_sha256'][:16]}")
+        built = ", ".join(f"{n} {v}" for n, v in done["key"]["packages"].items())
+        print(
+            f"[prepare_data] {out} is up to date: corpus sha256 {done['corpus_sha256'][:16]} "
+            f"(from {built})"
+        )
         return 0
 
     t0 = time.time()
-    docs = source_documents(versions, args.wheels)
+    docs = source_documents()
     train, val = split(docs, args.max_bytes, args.seed)
     n_bytes = sum(len(t.encode()) for t in train)
     log(

@@ -2,17 +2,20 @@
 # Create ./.venv with everything the tests, benchmarks and the torchtitan demo need.
 # Idempotent: a re-run only checks a stamp, unless pyproject.toml or this script changed.
 #
-# torch: on a machine without an NVIDIA GPU, the CPU build torch==2.13.0+cpu from PyTorch's CPU
-# wheel index when that index answers within $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else
-# torch==2.13.0 from PyPI, which on Linux is the CUDA build (a one-line note gives its download
-# size first). With a GPU: a system torch if there is one, else torch>=2.11 from PyPI.
+# torch: ./.venv pins torch 2.13.0; ./.venv-titan03 pins 2.14.1 (torchtitan 0.3 is released
+# against torch 2.14: its pipeline schedules call 2.14's API). On a machine without an NVIDIA GPU,
+# the CPU build torch==<pin>+cpu from PyTorch's CPU wheel index when that index answers within
+# $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else torch==<pin> from PyPI, which on Linux is the
+# CUDA build (a one-line note gives its download size first). With a GPU: a system torch if there
+# is one, else torch>=2.11 (>=2.14 for torchtitan 0.3) from PyPI.
 #
 # Environment: MUON_PLUGIN_VENV (default ./.venv), BASE_PYTHON (default python3, >= 3.11),
 # MUON_PLUGIN_TORCH_INDEX (default https://download.pytorch.org/whl/cpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base_python="${BASE_PYTHON:-python3}"
-torch_pin="2.13.0"
+torch_pin="2.13.0"   # ./.venv; --titan03 sets 2.14.1
+torch_min="2.11"
 cpu_index="${MUON_PLUGIN_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 index_timeout="${MUON_PLUGIN_INDEX_TIMEOUT:-5}"
 
@@ -34,8 +37,8 @@ install_torch() {
     local py="$1/bin/python"
     local pip=("$py" -m pip install --disable-pip-version-check)
     if has_gpu; then
-        say "torch: NVIDIA GPU found; installing torch>=2.11 from PyPI (CUDA build)"
-        "${pip[@]}" "torch>=2.11"
+        say "torch: NVIDIA GPU found; installing torch>=$torch_min from PyPI (CUDA build)"
+        "${pip[@]}" "torch>=$torch_min"
         return
     fi
     say "torch: no NVIDIA GPU; asking PyTorch's CPU wheel index ($cpu_index, ${index_timeout} s timeout)"
@@ -86,9 +89,12 @@ setup_venv() {
             "$base_python" -m venv "$venv"
         fi
     fi
-    if "$venv/bin/python" -c "import torch" 2>/dev/null; then
-        say "torch: $("$venv/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+    local have
+    have="$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+    if [ -n "$have" ] && { has_gpu || [ "${have%%+*}" = "$torch_pin" ]; }; then
+        say "torch: $have already installed"
     else
+        [ -n "$have" ] && say "torch: $have installed, this environment pins $torch_pin"
         install_torch "$venv"
     fi
     say "installing $what (pip install $*)"
@@ -111,18 +117,11 @@ case "${1:-}" in
         setup_venv "${MUON_PLUGIN_VENV:-$root/.venv}" \
             "muon_plugin (editable) and its dev extra: $(extra_list dev)" -e "$root[dev]" ;;
     --titan03)
+        torch_pin="2.14.1"
+        torch_min="2.14"
         setup_venv "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}" \
             "muon_plugin (editable) with torchtitan 0.3: $(extra_list torchtitan03)" \
-            -e "$root[torchtitan03]"
-        # The corpus (scripts/prepare_data.py) is defined by torchtitan 0.2.2's sources: keep
-        # that release's wheel beside 0.3 so both environments build the same data.
-        wheels="${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}/corpus-wheels"
-        if ! compgen -G "$wheels/torchtitan-0.2.2-*.whl" >/dev/null; then
-            say "corpus sources: downloading the torchtitan 0.2.2 wheel (no dependencies) to $wheels"
-            "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}/bin/python" -m pip download \
-                --disable-pip-version-check --quiet --no-deps --only-binary=:all: \
-                -d "$wheels" torchtitan==0.2.2
-        fi ;;
+            -e "$root[torchtitan03]" ;;
     *)
         echo "[setup_env] unknown option $1 (expected none or --titan03)" >&2
         exit 2 ;;

@@ -26,7 +26,9 @@ SETUP = ROOT / "scripts" / "setup_env.sh"
 STUB = """#!/usr/bin/env bash
 echo "$*" >>"$STUB_LOG"
 case "$1" in
-    -c) [[ "$2" == *print* ]] && { echo 2.13.0+cpu; exit 0; }; exit 1 ;;  # no torch yet
+    -c)  # torch exists once a pip install of it was recorded (then: the release it named)
+        pin="$(grep -v -- --dry-run "$STUB_LOG" | grep -o 'torch==[0-9.]*' | tail -1 | cut -d= -f3)"
+        [[ -n "$pin" && "$2" == *print* ]] && { echo "$pin+cpu"; exit 0; }; exit 1 ;;
     -m)
         if [[ "$*" == *--dry-run* ]]; then
             while [[ $# -gt 0 && "$1" != --report ]]; do shift; done
@@ -50,18 +52,19 @@ def fake_venv(tmp_path: Path) -> Path:
     return venv
 
 
-def run_setup(tmp_path: Path, index: str) -> tuple[str, list[str]]:
+def run_setup(tmp_path: Path, index: str, *args: str) -> tuple[str, list[str]]:
     venv = fake_venv(tmp_path)
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"  # PATH without nvidia-smi: a CPU-only machine
     bin_dir.mkdir()
-    for tool in ("bash", "cat", "cut", "sha256sum", "mktemp", "rm", "dirname"):
+    for tool in ("bash", "cat", "cut", "sha256sum", "mktemp", "rm", "dirname", "grep", "tail"):
         found = subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip()
         os.symlink(found, bin_dir / tool)
     env = dict(
         os.environ,
         PATH=str(bin_dir),
         MUON_PLUGIN_VENV=str(venv),
+        MUON_PLUGIN_VENV_TITAN03=str(venv),
         MUON_PLUGIN_TORCH_INDEX=index,
         MUON_PLUGIN_INDEX_TIMEOUT="3",
         BASE_PYTHON=sys.executable,
@@ -69,7 +72,11 @@ def run_setup(tmp_path: Path, index: str) -> tuple[str, list[str]]:
         STUB_LOG=str(log),
     )
     proc = subprocess.run(
-        [str(bin_dir / "bash"), str(SETUP)], env=env, capture_output=True, text=True, timeout=120
+        [str(bin_dir / "bash"), str(SETUP), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, log.read_text().splitlines()
@@ -84,7 +91,10 @@ def cpu_index(tmp_path):
     """A local simple index that lists torch, served over HTTP."""
     root = tmp_path / "index"
     (root / "torch").mkdir(parents=True)
-    (root / "torch" / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_text("")
+    for release in ("2.13.0", "2.14.1"):
+        (root / "torch" / f"torch-{release}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_text(
+            ""
+        )
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -135,3 +145,21 @@ def test_download_size_summary():
     line = download_size.summarize(json.loads(json.dumps(report)))
     assert line.startswith("torch 2.13.0 (CUDA build) and 1 more packages"), line
     assert "1 of them NVIDIA/CUDA libraries" in line and "1 sizes unknown" in line, line
+
+
+def test_titan03_environment_pins_torch_2_14(tmp_path, cpu_index):
+    """torchtitan 0.3's environment: torch 2.14.1 (its pipeline schedules need 2.14's API)."""
+    out, calls = run_setup(tmp_path, cpu_index, "--titan03")
+    installs = pip_installs(calls)
+    assert installs[0].endswith(f"--extra-index-url {cpu_index} torch==2.14.1+cpu"), installs
+    assert installs[1].endswith(f"-e {ROOT}[torchtitan03]"), installs
+    done = [line for line in out.splitlines() if line.startswith("[setup_env] done in ")]
+    assert done and done[0].endswith(f"torch 2.14.1+cpu in {tmp_path / 'venv'}"), out
+
+
+def test_a_venv_with_another_torch_release_gets_the_pinned_one(tmp_path, cpu_index):
+    """A venv holding torch 2.13 (e.g. set up before the pin moved) is upgraded to the pin."""
+    (tmp_path / "calls.log").write_text("-m pip install torch==2.13.0+cpu\n")
+    out, calls = run_setup(tmp_path, cpu_index, "--titan03")
+    assert "torch: 2.13.0+cpu installed, this environment pins 2.14.1" in out, out
+    assert any(c.endswith("torch==2.14.1+cpu") for c in pip_installs(calls)), calls

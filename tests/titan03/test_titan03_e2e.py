@@ -4,7 +4,11 @@
 - FSDP=2: trains (loss falls), logs the rule table and the plan; also the reference run;
 - a checkpoint saved under FSDP=2 at step SPLIT resumes under TP=2 with the next losses of the
   uninterrupted run (TP=2 training, model and Muon/AdamW state resharded);
-- FSDP 2 x TP 2 (4 processes) trains.
+- FSDP 2 x TP 2 (4 processes) trains;
+- 2 pipeline stages (torchtitan 0.3's interleaved schedule, 2 model parts per rank) train, one
+  optimizer per model part (what torchtitan 0.3's own DistMuon refuses, like TP);
+- the deepseek_v3 debug model (MoE) trains under FSDP=2: expert stacks on Muon, the router on
+  AdamW.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-def run(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
+def run(
+    args: list[str],
+    tmp: Path,
+    nproc: int = 2,
+    timeout: int = 300,
+    config: str = "llama3_debug_muon",
+    ranks: str = "0",
+) -> str:
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -52,9 +63,9 @@ def run(args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300) -> str:
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), "--local-ranks-filter", "0", "--role", "rank",
+        "--nproc_per_node", str(nproc), "--local-ranks-filter", ranks, "--role", "rank",
         "--tee", "3", "-m", "muon_plugin.torchtitan03.train",
-        "--module", "configs.titan03_muon", "--config", "llama3_debug_muon",
+        "--module", "configs.titan03_muon", "--config", config,
         "--metrics.disable_color_printing", *args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -194,3 +205,37 @@ def test_fsdp2_x_tp2_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert got[steps] < got[1] - 0.3, f"loss did not fall: {got}"
     assert "2x2" in log  # the plan's mesh: FSDP 2 x TP 2
+
+
+def _short_run(assets: Path, tmp_path: Path, steps: int) -> list[str]:
+    return [
+        "--hf_assets_path", str(assets / "tokenizer"),
+        "--dataloader.dataset_path", str(assets / "corpus"),
+        "--dump_folder", str(tmp_path / "out"),
+        "--training.steps", str(steps),
+    ]  # fmt: skip
+
+
+def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+    """PP=2 with the debug config's interleaved schedule: each rank holds two model parts,
+    each with its own Muon optimizer; the last stage (rank 1) logs the loss."""
+    steps = 4
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"]
+    log = run([*_short_run(assets, tmp_path, steps), *pp], tmp_path, ranks="0,1")
+    assert "Using pipeline schedule Interleaved1F1B" in log, log[-3000:]
+    got = {s: v for s, v in losses(log).items() if v > 0}  # rank 0 logs -1 (no last stage)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert got[steps] < got[1] - 0.3, f"loss did not fall: {got}"
+    # Rank 0 builds stages 0 and 2: one optimizer (and rule table) per model part.
+    tables = re.findall(r"^\s*matrix\s+muon\s+(\d+)\s", log, re.M)
+    assert len(tables) >= 2, log[-3000:]
+
+
+def test_moe_experts_train_with_muon(assets: Path, tmp_path: Path) -> None:
+    steps = 3
+    log = run(_short_run(assets, tmp_path, steps), tmp_path, config="deepseek_v3_debug_muon")
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert got[steps] < got[1] - 0.2, f"loss did not fall: {got}"
+    assert re.search(r"^\s*expert\s+muon\s+\d+\s", log, re.M), log[-3000:]
+    assert re.search(r"^\s*router\s+adamw\s+\d+\s", log, re.M), log[-3000:]
