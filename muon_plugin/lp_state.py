@@ -108,6 +108,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from muon_plugin.defaults import LP_STATE_DTYPES
 from muon_plugin.lp_rank1 import (
     FACTOR_KEYS,
     FRESH_FACTORS,
@@ -119,7 +120,7 @@ from muon_plugin.lp_rank1 import (
     power_step,
 )
 
-STATE_DTYPES = ("bf16", "int8", "int4", "fp8")
+STATE_DTYPES = LP_STATE_DTYPES
 # torchao's own defaults for its low-bit Adam optimizers (int8, fp8); int4 measured (above).
 DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 16, "fp8": 256}
 # Like torchao's (and bitsandbytes') optimizers: smaller tensors are not worth quantizing.

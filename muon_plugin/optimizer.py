@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional
 
+from muon_plugin.defaults import ALGORITHMS, DEFAULTS, LR_ADJUSTMENTS
 from muon_plugin.distributed.plan import (
     OrthogonalizationPlan,
     check_grad_layouts,
@@ -36,35 +37,10 @@ from muon_plugin.distributed.plan import (
 )
 from muon_plugin.functional import decay_and_update_, momentum_update_
 from muon_plugin.orthogonalize import (
-    EPS,
-    LR_ADJUSTMENTS,
     MatrixSpec,
     validate_coefficients,
     validate_steps,
 )
-
-ALGORITHMS = ("muon", "adamw", "adam")
-
-DEFAULTS: dict[str, Any] = {
-    "lr": 1e-3,
-    "wd": 0.1,
-    "use_cautious_wd": True,
-    "momentum": 0.95,
-    "nesterov": True,
-    "ns_steps": 5,
-    "orthogonalization_strategy": "polar_express",
-    "adam_betas": (0.9, 0.95),
-    "adam_eps": 1e-8,
-    "is_adamw": True,
-    "fused_adam": True,
-    "compile": False,
-    "lr_adjust": "keller",
-    "flatten": False,
-    "split_sizes": None,
-    "ns_coefficients": None,
-    "ns_eps": EPS,
-    "algorithm": "muon",
-}
 
 # Keys torch.optim or LR schedulers put into groups themselves.
 TORCH_GROUP_KEYS = {"params", "param_names", "initial_lr"}

@@ -32,6 +32,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from muon_plugin.defaults import LR_ADJUSTMENTS, MAX_NS_STEPS, NS_EPS, STRATEGIES
 from muon_plugin.kernels import gram, kernel_handles
 
 Coefficients = tuple[float, float, float]
@@ -52,10 +53,8 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = (
 )
 POLAR_EXPRESS_SAFETY = 1.01
 
-STRATEGIES = ("polar_express", "newton_schulz")
-LR_ADJUSTMENTS = ("keller", "match_rms_adamw", "spectral", "none")
-MAX_STEPS = 100
-EPS = 1e-7
+MAX_STEPS = MAX_NS_STEPS
+EPS = NS_EPS
 
 
 @dataclass(frozen=True)

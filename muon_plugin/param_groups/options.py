@@ -25,6 +25,7 @@ Parameter classes (see :mod:`muon_plugin.param_groups.rules` for the default rul
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from muon_plugin.defaults import IMPLEMENTATIONS, LR_ADJUSTMENTS, STATE_DTYPES, STRATEGIES
 from muon_plugin.param_groups.rules import (
     ALGORITHMS,
     PARAM_CLASSES,
@@ -33,10 +34,8 @@ from muon_plugin.param_groups.rules import (
     RuleSet,
 )
 
-IMPLEMENTATIONS = ("foreach", "per_param")
-ORTHOGONALIZATIONS = ("polar_express", "newton_schulz")
-LR_ADJUSTS = ("match_rms_adamw", "keller", "spectral", "none")
-STATE_DTYPES = ("fp32", "bf16", "int8", "int4", "fp8")
+ORTHOGONALIZATIONS = STRATEGIES
+LR_ADJUSTS = LR_ADJUSTMENTS
 
 _PREFIX = "optimizer.muon."
 

@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from muon_plugin.defaults import ALGORITHMS
+
 PARAM_CLASSES: tuple[str, ...] = (
     "matrix",
     "expert",
@@ -67,7 +69,6 @@ DEFAULT_ALGORITHMS: dict[str, str] = {
     "norm": "adamw",
     "other": "adamw",
 }
-ALGORITHMS: tuple[str, ...] = ("muon", "adamw", "adam")
 
 WRAPPER_PREFIXES: tuple[str, ...] = (
     "_checkpoint_wrapped_module.",

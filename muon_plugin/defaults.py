@@ -1,0 +1,65 @@
+"""Every choice and default of the optimizer, in one place (no imports: the lowest layer).
+
+The optimizer's constructor, its param-group validation, the orthogonalization, MuonLP and the
+torchtitan / torchtune option schemas all read the names and defaults below; none writes its
+own copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALGORITHMS: tuple[str, ...] = ("muon", "adamw", "adam")
+"""Per param group: ``"muon"``, ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 decay)."""
+
+STRATEGIES: tuple[str, ...] = ("polar_express", "newton_schulz")
+"""Orthogonalization iterations (coefficient schedules)."""
+
+LR_ADJUSTMENTS: tuple[str, ...] = ("keller", "match_rms_adamw", "spectral", "none")
+"""Muon's learning-rate shape rules."""
+
+BACKENDS: tuple[str, ...] = ("auto", "cublas", "plain")
+"""Built-in orthogonalization backends: ``"auto"`` picks the fastest exact-enough path per
+shape group (Triton symmetric kernels, Gram-space iteration, fp16 Q-form, CUDA graphs where
+they pay), ``"cublas"`` the same without Triton kernels, ``"plain"`` the plain bf16 loop on
+torch matmuls (the reference)."""
+
+STATE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
+"""Momentum storage: ``"fp32"`` (Muon / MuonForeach), the others select MuonLP."""
+
+LP_STATE_DTYPES: tuple[str, ...] = STATE_DTYPES[1:]
+"""The low-precision momentum formats of MuonLP."""
+
+IMPLEMENTATIONS: tuple[str, ...] = ("foreach", "per_param")
+"""``"foreach"``: MuonForeach (batched); ``"per_param"``: Muon (matrix by matrix)."""
+
+NS_EPS = 1e-7
+"""Lower bound on the norm the orthogonalization input is divided by."""
+
+MAX_NS_STEPS = 100
+"""``ns_steps`` must be below this."""
+
+DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "wd": 0.1,
+    "use_cautious_wd": True,
+    "momentum": 0.95,
+    "nesterov": True,
+    "ns_steps": 5,
+    "orthogonalization_strategy": "polar_express",
+    "adam_betas": (0.9, 0.95),
+    "adam_eps": 1e-8,
+    "is_adamw": True,
+    "fused_adam": True,
+    "compile": False,
+    "lr_adjust": "keller",
+    "flatten": False,
+    "split_sizes": None,
+    "ns_coefficients": None,
+    "ns_eps": NS_EPS,
+    "algorithm": "muon",
+}
+"""The optimizer's constructor defaults, which every param-group key falls back to."""
+
+PLUGIN_LR_ADJUST = "match_rms_adamw"
+"""The framework plugins' ``lr_adjust``: a job's AdamW lr and weight decay keep working."""
