@@ -12,8 +12,9 @@
 #   once done); PYTHON=/path/to/python uses your own environment instead, with no set-up;
 # - builds the local corpus and tokenizer (scripts/prepare_data.py -> data/) on first use;
 # - NPROC processes: $NPROC if set, else one per GPU, else 2 on a CPU-only machine;
-# - checks a TOML CONFIG and the overrides first, in one process (muon_plugin.torchtitan.check):
-#   a typo or a bad value is one line naming the key, before any worker starts;
+# - checks CONFIG and the overrides first, in one process (muon_plugin.torchtitan.check, or
+#   muon_plugin.torchtitan03.check for 0.3): a typo or a bad value is one line naming the key,
+#   before any worker starts;
 # - torchrun --standalone --nproc_per_node $NPROC -m torchtitan.train --job.config_file CONFIG ...
 #   (only local rank 0 prints; LOG_RANK=0,1 shows more);
 # - logs to DUMP_FOLDER/logs/<date-time>/: train.log (what this prints) and ranks/ (every rank's
@@ -21,7 +22,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 
@@ -38,6 +39,9 @@ if [[ "$CONFIG" == *:* ]]; then
     if [[ -f "$CONFIG" ]]; then   # a file: its folder goes on PYTHONPATH, its name is the module
         CONFIG_DIR="$(cd "$(dirname "$CONFIG")" && pwd)"
         CONFIG_MODULE="$(basename "$CONFIG" .py)"
+    elif [[ "$CONFIG" == *.py ]]; then
+        echo "train.sh: config file not found: $CONFIG" >&2
+        exit 2
     fi
 # Resolve the config against the caller's directory before moving to the repository root.
 elif [[ -f "$CONFIG" ]]; then
@@ -63,9 +67,14 @@ export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
 HELP=0
 for arg in "$@"; do [[ "$arg" == "--help" || "$arg" == "-h" ]] && HELP=1; done
 DUMP_FOLDER=""
-if [[ "$HELP" == 0 && "$RELEASE" == 0.2.2 ]]; then
+if [[ "$HELP" == 0 ]]; then
     # One line naming the key and exit 2 on a bad config; prints the job's dump folder.
-    DUMP_FOLDER="$("$PYTHON" -m muon_plugin.torchtitan.check "$CONFIG" "$@")" || exit 2
+    if [[ "$RELEASE" == 0.3 ]]; then
+        CHECK=(-m muon_plugin.torchtitan03.check --module "$CONFIG_MODULE" --config "$CONFIG_FN")
+    else
+        CHECK=(-m muon_plugin.torchtitan.check "$CONFIG")
+    fi
+    DUMP_FOLDER="$("$PYTHON" "${CHECK[@]}" "$@")" || exit 2
 fi
 
 # The run's log: DUMP_FOLDER/logs/<date-time>/train.log gets everything printed from here on.

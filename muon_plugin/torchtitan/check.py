@@ -18,22 +18,18 @@ exits 0; on an error it exits 2.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import sys
 from dataclasses import fields, is_dataclass
 from typing import Any
+
+from muon_plugin.param_groups.messages import one_line, unknown_key
 
 __all__ = ["check", "main", "unknown_cli_key", "unknown_toml_key"]
 
 
 def _fields(cls: Any) -> dict[str, Any]:
     return {f.name: f.type for f in fields(cls)}
-
-
-def _hint(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _leaf_keys(cls: Any, prefix: str = "") -> list[str]:
@@ -51,8 +47,7 @@ def unknown_toml_key(cls: Any, data: dict[str, Any], source: str, prefix: str = 
     known = _fields(cls)
     for key, value in data.items():
         if key not in known:
-            candidates = [f"{prefix}{k}" for k in known]
-            return f"{prefix}{key}: unknown key (in {source}){_hint(f'{prefix}{key}', candidates)}"
+            return unknown_key(f"{prefix}{key}", f"in {source}", [f"{prefix}{k}" for k in known])
         if is_dataclass(known[key]):
             if not isinstance(value, dict):
                 return f"{prefix}{key}: expected a [{prefix}{key}] table (in {source})"
@@ -75,28 +70,8 @@ def unknown_cli_key(cls: Any, args: list[str]) -> str | None:
         if last.startswith("no_"):  # tyro's --section.no-flag form of booleans
             alternatives.add(f"{head}.{last[3:]}" if head else last[3:])
         if not alternatives & known:
-            return f"{key}: unknown key (command line {arg}){_hint(key, leaves)}"
+            return unknown_key(key, f"command line {arg}", leaves)
     return None
-
-
-def _one_line(text: str) -> str:
-    """tyro's boxed error as one line (its title and rules dropped, wrapped lines joined)."""
-    import re
-
-    words = []
-    for line in text.splitlines():
-        line = line.strip(" |│╭╮╰╯─┃━┏┓┗┛")
-        if not line or line.startswith("For full helptext"):
-            continue
-        words.extend(w for w in line.split() if not re.fullmatch(r"[-─━]{3,}", w))
-    joined = " ".join(words)
-    for title in ("Invalid choice", "Value error", "Parsing error", "Required options"):
-        if joined.startswith(title + " "):
-            joined = joined[len(title) + 1 :]
-    joined = joined.split(" Argument helptext:", 1)[0]
-    joined = re.sub(r"^Error parsing (?:--)?([\w.-]+): (?=\1)", "", joined)
-    joined = re.sub(r"^Error parsing (?:--)?([\w.-]+): ", r"\1: ", joined)
-    return joined[:400] or "invalid command line"
 
 
 def check(config: str, args: list[str]) -> Any:
@@ -125,7 +100,7 @@ def check(config: str, args: list[str]) -> Any:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ValueError(_one_line(captured.getvalue())) from None
+        raise ValueError(one_line(captured.getvalue())) from None
     except (ValueError, TypeError) as e:
         raise ValueError(str(e).splitlines()[0] if str(e) else repr(e)) from None
 

@@ -1,11 +1,11 @@
 """The end-of-run summary and the skipped-update count, through torchtitan's metrics processor.
 
-torchtitan 0.2.2's ``Trainer`` calls ``metrics_processor.log(step, loss, ...)`` at every log step
-(``metrics.log_freq``) and ``metrics_processor.close()`` once at the end (also after an error).
-:func:`install` wraps those two methods of ``MetricsProcessor`` (and its ``__init__``, which
-starts the clock), whatever train spec built it: ``log`` records the loss, the global
-token count and the peak device memory (torchtitan resets the peak at each log), and warns
-(rank 0) when Muon skipped non-finite updates; ``close`` logs (rank 0) the summary::
+torchtitan's ``Trainer`` (0.2.2 and 0.3 alike) calls ``metrics_processor.log(step, loss, ...)``
+at every log step (``metrics.log_freq``) and ``metrics_processor.close()`` once at the end (also
+after an error). :func:`install` wraps those two methods of 0.2.2's ``MetricsProcessor`` (and its
+``__init__``, which starts the clock), whatever train spec built it: ``log`` records the loss,
+the global token count and the peak device memory (torchtitan resets the peak at each log), and
+warns (rank 0) when Muon skipped non-finite updates; ``close`` logs (rank 0) the summary::
 
     Run summary: 30 steps (1-30) in 41.2 s
       loss: final 5.1234, mean of the last 10 steps 5.2345
@@ -13,7 +13,9 @@ token count and the peak device memory (torchtitan resets the peak at each log),
       peak memory (rank 0): 1.23 GiB
       checkpoints: outputs/x/checkpoint (step-10, step-20, step-30)
 
-Nothing here changes what torchtitan logs or computes.
+Nothing here changes what torchtitan logs or computes. The module imports on both releases;
+torchtitan 0.3's plugin installs it with :func:`install_on` and its own checkpoint-folder rule
+(:mod:`muon_plugin.torchtitan03.summary`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-__all__ = ["RunSummary", "install", "install_on", "skipped_updates"]
+__all__ = [
+    "CheckpointFolder",
+    "RunSummary",
+    "install",
+    "install_on",
+    "job_checkpoint_folder",
+    "skipped_updates",
+]
 
 _MARK = "_muon_plugin_hook"
 
@@ -45,11 +55,28 @@ def skipped_updates(optimizers: Any) -> int:
     return sum(int(getattr(opt, "skipped_updates", 0)) for opt in optimizers)
 
 
+def job_checkpoint_folder(job_config: Any) -> str | None:
+    """A torchtitan 0.2.2 job's checkpoint folder; None when checkpointing is off."""
+    ckpt = getattr(job_config, "checkpoint", None)
+    if ckpt is None or not ckpt.enable:
+        return None
+    return os.path.join(job_config.job.dump_folder, ckpt.folder)
+
+
+CheckpointFolder = Callable[[Any, tuple[Any, ...], dict[str, Any]], str | None]
+"""``(processor, init args, init kwargs) -> checkpoint folder or None`` (checkpointing off)."""
+
+
+def _processor_checkpoint_folder(processor: Any, args: Any = (), kwargs: Any = None) -> str | None:
+    return job_checkpoint_folder(getattr(processor, "job_config", None))
+
+
 class RunSummary:
     """What one run logged: loss per step, global tokens, peak memory; formats the summary."""
 
-    def __init__(self, job_config: Any) -> None:
-        self.job_config = job_config
+    def __init__(self, checkpoint_folder: str | None = None) -> None:
+        """``checkpoint_folder``: where the run saves checkpoints; None when it does not."""
+        self.checkpoint_folder = checkpoint_folder
         self.start = time.perf_counter()
         self.losses: list[tuple[int, float]] = []
         self.first_log: tuple[float, int] | None = None  # (time, global tokens) at the first log
@@ -68,10 +95,10 @@ class RunSummary:
             self.last_log = (now, int(tokens))
 
     def checkpoints(self) -> str:
-        ckpt = getattr(self.job_config, "checkpoint", None)
-        if ckpt is None or not ckpt.enable:
+        """The checkpoint folder and the ``step-N`` checkpoints in it, as the summary shows them."""
+        folder = self.checkpoint_folder
+        if folder is None:
             return "none (checkpoint.enable = false)"
-        folder = os.path.join(self.job_config.job.dump_folder, ckpt.folder)
         steps = (
             sorted(
                 (d for d in os.listdir(folder) if d.startswith("step-")),
@@ -113,8 +140,9 @@ class RunSummary:
 
 def _summary(processor: Any) -> RunSummary:
     summary = processor.__dict__.get("_muon_summary")
-    if summary is None:
-        summary = processor._muon_summary = RunSummary(getattr(processor, "job_config", None))
+    if summary is None:  # a processor built before install_on: a 0.2.2 job_config, if any
+        summary = RunSummary(_processor_checkpoint_folder(processor))
+        processor._muon_summary = summary
     return summary
 
 
@@ -137,16 +165,25 @@ def _record(processor: Any, original_log: Any, step: int, loss: float, *args: An
         )
 
 
-def install_on(cls: Any) -> None:
-    """Wrap ``cls.__init__`` / ``log`` / ``close`` (a metrics-processor class) once."""
+def install_on(cls: Any, checkpoint_folder: CheckpointFolder | None = None) -> None:
+    """Wrap ``cls.__init__`` / ``log`` / ``close`` (a metrics-processor class) once.
+
+    ``checkpoint_folder`` finds the run's checkpoint folder from the processor and its
+    ``__init__`` arguments; by default from a 0.2.2 processor's ``job_config``.
+    """
     if getattr(cls.log, _MARK, False):
         return
     original_init, original_log, original_close = cls.__init__, cls.log, cls.close
+    find_folder = checkpoint_folder or _processor_checkpoint_folder
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        _summary(self)
+        try:
+            folder = find_folder(self, args, kwargs)
+        except Exception:  # a summary must never stop training
+            folder = None
+        self._muon_summary = RunSummary(folder)  # its clock starts here
 
     @functools.wraps(original_log)
     def log(self: Any, step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> None:

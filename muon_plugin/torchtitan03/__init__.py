@@ -7,9 +7,12 @@
 - :mod:`muon_plugin.torchtitan03.configs`: ready configs (``--module
   muon_plugin.torchtitan03.configs --config llama3_debugmodel``, or any shipped config as
   ``--config <model>.<config function>``) whose Muon options are CLI flags;
-- :func:`activate`: the CPU mode (only without an accelerator) and a torch-version shim, applied
-  by ``python -m muon_plugin.torchtitan03.train`` (torchtitan's ``torchtitan.train`` after
-  :func:`activate`). Importing this package changes nothing in torchtitan.
+- :func:`activate`: the CPU mode (only without an accelerator), a torch-version shim and the
+  end-of-run summary, applied by ``python -m muon_plugin.torchtitan03.train`` (torchtitan's
+  ``torchtitan.train`` after :func:`activate`). Importing this package changes nothing in
+  torchtitan;
+- :mod:`muon_plugin.torchtitan03.check`: the one-process config check ``scripts/train.sh`` runs
+  before torchrun (a typo or a bad value is one line naming the key).
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ def activate() -> bool:
     (:mod:`muon_plugin.torchtitan03.cpu`). With any device: on a torch without
     ``torch.distributed.set_timeout`` (before 2.14) torchtitan's post-first-step timeout change
     is skipped with a warning instead of failing (:mod:`muon_plugin.torchtitan03.compat`).
+    Always: rank 0 logs the end-of-run summary (loss, throughput, peak memory, checkpoints;
+    :mod:`muon_plugin.torchtitan03.summary`).
     """
-    from muon_plugin.torchtitan03 import compat, cpu
+    from muon_plugin.torchtitan03 import compat, cpu, summary
 
     compat.apply()
+    summary.install()
     return cpu.apply()

@@ -23,6 +23,7 @@ from typing import Any
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 
+from muon_plugin.param_groups.messages import did_you_mean
 from muon_plugin.param_groups.options import MUON_CONFIG_KEYS
 from muon_plugin.torchtitan03.container import MuonOptimizersContainer
 
@@ -60,9 +61,10 @@ def to_muon(cfg: OptimizersContainer.Config, **options: Any) -> MuonOptimizersCo
     """``cfg`` as a Muon config; ``options``: Muon options and the container's own fields."""
     unknown = sorted(set(options) - set(MUON_CONFIG_KEYS) - set(_BASE_KEYS))
     if unknown:
+        valid = _BASE_KEYS + MUON_CONFIG_KEYS
+        hint = did_you_mean(unknown[0], valid) or f" (valid: {', '.join(valid)})"
         raise ValueError(
-            f"override muon_plugin.torchtitan03.override.muon: unknown option {unknown[0]!r} "
-            f"(valid: {', '.join(_BASE_KEYS + MUON_CONFIG_KEYS)})"
+            f"override muon_plugin.torchtitan03.override.muon: unknown option {unknown[0]!r}{hint}"
         )
     base = {k: v for k, v in options.items() if k in _BASE_KEYS}
     muon_options = {k: v for k, v in options.items() if k in MUON_CONFIG_KEYS}

@@ -1,8 +1,9 @@
 """``python -m muon_plugin.torchtitan03.train ARGS``: torchtitan 0.3's trainer after
-:func:`muon_plugin.torchtitan03.activate` (the CPU mode without an accelerator).
+:func:`muon_plugin.torchtitan03.activate` (the CPU mode without an accelerator, the end-of-run
+summary).
 
 Arguments are torchtitan's (``--module``, ``--config``, overrides); on a GPU machine
-``python -m torchtitan.train ARGS`` works as well.
+``python -m torchtitan.train ARGS`` works as well (without the summary).
 """
 
 from __future__ import annotations

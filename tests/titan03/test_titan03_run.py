@@ -1,0 +1,202 @@
+"""scripts/train.sh on torchtitan 0.3 (``configs/titan03_muon.py``), one process, seconds:
+
+- a typo or a bad value (on the command line, or in the ``optimizer.muon_toml`` file) is ONE
+  line naming the key, exit 2, from ``muon_plugin.torchtitan03.check`` before torchrun starts;
+- a 2-step run writes its log to ``DUMP_FOLDER/logs/<date-time>/train.log`` (and every rank's
+  files) with the end-of-run summary, which only activating the plugin installs;
+- tyro's boxed errors become the same one-line form as on torchtitan 0.2.2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from muon_plugin.param_groups.messages import one_line, unrecognized_options
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "configs/titan03_muon.py:llama3_debug_muon"
+TOML = ROOT / "configs" / "llama3_debug_muon.toml"
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo runs on Linux")
+
+
+def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> dict[str, Any]:
+    """``scripts/train.sh CONFIG ARGS`` (1 process, this python), as ``subprocess`` kwargs."""
+    env = dict(os.environ)
+    env.update(
+        PYTHON=sys.executable,
+        NPROC="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp / "hf_cache"),
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    env.pop("OMP_NUM_THREADS", None)
+    if data is not None:
+        env.update(DATA_DIR=str(data), SKIP_PREPARE_DATA="1")
+        args = [
+            "--hf_assets_path", str(data / "tokenizer"),
+            "--dataloader.dataset_path", str(data / "corpus"),
+            "--metrics.disable_color_printing", *args,
+        ]  # fmt: skip
+    cmd = ["bash", "scripts/train.sh", CONFIG, *args]
+    return {"args": cmd, "cwd": ROOT, "env": env, "text": True}
+
+
+_TYPO = "optimizer.muon.ns_stepz: unknown key ({}); did you mean optimizer.muon.ns_steps?"
+CASES = {
+    "typo": (
+        ["--optimizer.muon.ns_stepz", "7"],
+        _TYPO.format("command line --optimizer.muon.ns_stepz"),
+    ),
+    "bad-value": (
+        ["--optimizer.muon.ns_steps", "0"],
+        "optimizer.muon.ns_steps: invalid value 0; expected ",
+    ),
+    "toml-typo": (["--optimizer.muon_toml", "{tmp}/bad.toml"], _TYPO.format("in {tmp}/bad.toml")),
+}
+"""name -> (overrides, how the one line after "config error: " starts); {tmp}: a temporary
+folder."""
+
+
+@pytest.fixture(scope="module")
+def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str, float]]:
+    """Every case of CASES through train.sh, all at once (each is one short process):
+    ``name -> (exit status, stdout, stderr with {tmp}, seconds until all had ended)``."""
+    tmp = tmp_path_factory.mktemp("titan03_errors")
+    (tmp / "bad.toml").write_text(TOML.read_text().replace("ns_steps = 5", "ns_stepz = 5"))
+    start = time.perf_counter()
+    procs = {
+        name: subprocess.Popen(
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **train_sh([a.format(tmp=tmp) for a in args], tmp),
+        )
+        for name, (args, _) in CASES.items()
+    }
+    try:
+        outputs = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    seconds = time.perf_counter() - start
+    return {
+        name: (procs[name].returncode, out, err.replace(str(tmp), "{tmp}"), seconds)
+        for name, (out, err) in outputs.items()
+    }
+
+
+@linux_only
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str) -> None:
+    code, out, err, seconds = config_errors[case]
+    assert code == 2, out[-2000:] + err[-2000:]
+    assert out == "" and "[rank" not in err  # no log, no worker started
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: " + CASES[case][1]), err
+    assert seconds < 45, f"the {len(CASES)} checks took {seconds:.1f} s"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """Corpus + tokenizer from scripts/prepare_data.py, in a temporary folder."""
+    out = tmp_path_factory.mktemp("titan03_run_data")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
+        check=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return out
+
+
+@linux_only
+@pytest.mark.slow
+def test_run_writes_the_log_with_the_summary(assets: Path, tmp_path: Path) -> None:
+    dump = tmp_path / "run"
+    args = ["--dump_folder", str(dump), "--training.steps", "2", "--checkpoint.enable"]
+    kwargs = train_sh([*args, "--checkpoint.interval", "2"], tmp_path, assets)
+    proc = subprocess.run(capture_output=True, timeout=300, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"train.sh: log: {dump}/logs/") and lines[-1] == lines[0]
+    log_file = Path(lines[0].split()[2])
+    text = log_file.read_text()
+    assert "Run summary: 2 logged steps (1-2)" in text, text[-3000:]
+    assert "loss: final " in text and "tokens/s over all ranks" in text
+    assert f"checkpoints: {dump}/checkpoint (step-2)" in text
+    assert f"log: {log_file}" in text
+    ranks = list((log_file.parent / "ranks").rglob("stdout.log"))
+    assert ranks and "Run summary" in ranks[0].read_text()
+
+
+def test_importing_the_plugin_installs_no_summary() -> None:
+    """Only activation wraps torchtitan's MetricsProcessor (the run above shows it does)."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    import muon_plugin.torchtitan03
+    import muon_plugin.torchtitan03.check
+    import muon_plugin.torchtitan03.summary  # noqa: F401
+
+    assert muon_plugin.torchtitan03.check.main(["--help"]) == 0
+    for method in (MetricsProcessor.__init__, MetricsProcessor.log, MetricsProcessor.close):
+        assert not getattr(method, "_muon_plugin_hook", False)
+
+
+def test_summary_finds_the_checkpoint_folder_from_the_config() -> None:
+    from muon_plugin.torchtitan03.summary import checkpoint_folder
+
+    config = {"dump_folder": "./x", "checkpoint": {"enable": True, "folder": "ckpt"}}
+    kwargs = {"parallel_dims": None, "dump_folder": "/d", "config_dict": config}
+    assert checkpoint_folder(object(), (None,), kwargs) == os.path.join("/d", "ckpt")
+    config["checkpoint"]["enable"] = False
+    assert checkpoint_folder(object(), (None,), kwargs) is None
+    assert checkpoint_folder(object(), (None,), {"parallel_dims": None}) is None
+
+
+TYRO_UNRECOGNIZED = """\
+initial_load_model_only=True has no effect without an initial_load_path.
+ Unrecognized options
+ ------------------------------------------------------------------------------
+  Unrecognized options: --trainig.steps, 3
+  ------------------------------------------------------------------------------
+  Available subcommands: activation-checkpoint:selective,
+  activation-checkpoint:full
+  ------------------------------------------------------------------------------
+  Perhaps you meant:
+      --training.steps INT
+          How many train steps to run (default: 30)
+          in train.py --help
+  ------------------------------------------------------------------------------
+  For full helptext, run train.py --help
+"""
+
+TYRO_VALUE_ERROR = """\
+initial_load_model_only=True has no effect without an initial_load_path.
+ Value error
+ ------------------------------------------------------------------------------
+  Error parsing optimizer.muon: optimizer.muon.ns_steps: invalid value 0;
+  expected a positive integer
+  ------------------------------------------------------------------------------
+  For full helptext, see train.py --help
+"""
+
+
+def test_tyro_boxes_become_one_line() -> None:
+    assert unrecognized_options(TYRO_UNRECOGNIZED) == (
+        "trainig.steps: unknown key (command line --trainig.steps); did you mean training.steps?"
+    )
+    assert unrecognized_options(TYRO_VALUE_ERROR) is None
+    assert one_line(TYRO_VALUE_ERROR) == (
+        "optimizer.muon.ns_steps: invalid value 0; expected a positive integer"
+    )
+    no_flag = TYRO_UNRECOGNIZED.replace("--trainig.steps, 3", "7")
+    assert unrecognized_options(no_flag) == "unrecognized command-line arguments: 7"
