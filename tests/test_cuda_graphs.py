@@ -4,20 +4,27 @@ back to eager execution."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from muon_plugin import MuonForeach
-from muon_plugin.cuda_graphs import (
+from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack, resolve_path
+from muon_plugin.orthogonalize.graphs import (
     GRAPH_MAX_MATRIX_NUMEL,
     GRAPH_MAX_STACK_NUMEL,
     GraphedOrthogonalization,
     use_cuda_graph,
 )
-from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SPEC = MatrixSpec()
+
+
+def make_graphed(spec: MatrixSpec, name: str, stream=None) -> GraphedOrthogonalization:
+    """What the plan's runner is for a graphed group: ``orthogonalize_stack`` in a graph."""
+    return GraphedOrthogonalization(functools.partial(orthogonalize_stack, spec=spec), name, stream)
 
 
 def test_graphs_only_for_small_cuda_stacks(monkeypatch):
@@ -30,8 +37,12 @@ def test_graphs_only_for_small_cuda_stacks(monkeypatch):
     assert not use_cuda_graph(gpu, too_many, 1024 * 1024, SPEC)  # memory kept between steps
     assert not use_cuda_graph(gpu, 48, 768 * 768, MatrixSpec(compile=True))
     assert not use_cuda_graph(gpu, 48, 0, SPEC)
+    # The backends resolve a group's graph with that rule, once, where the environment allows.
+    unit = (768, 768)
+    assert resolve_path(unit, 48, gpu, torch.float32, SPEC).graph
+    assert not resolve_path(unit, 48, gpu, torch.float32, MatrixSpec(backend="plain")).graph
     monkeypatch.setenv("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1")
-    assert not use_cuda_graph(gpu, 48, 768 * 768, SPEC)
+    assert not resolve_path(unit, 48, gpu, torch.float32, SPEC).graph
 
 
 def pieces(n: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
@@ -44,7 +55,7 @@ def pieces(n: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("shape", [(96, 96), (64, 256), (256, 64)], ids=str)
 def test_replay_equals_eager_bitwise(shape, on_side_stream):
     stream = torch.cuda.Stream() if on_side_stream else None
-    graphed = GraphedOrthogonalization(SPEC, None, "test", stream)
+    graphed = make_graphed(SPEC, "test", stream)
     for call in range(4):
         X = pieces(6, shape, seed=call)
         eager = orthogonalize_stack(X, SPEC)
@@ -66,10 +77,7 @@ def test_concurrent_replays_of_large_products_stay_exact():
     """GPT-125M-sized stacks, whose cuBLAS products use a workspace, replayed side by side on
     their own streams: each equals its eager result (a shared capture stream would race)."""
     shapes = [(48, (768, 768)), (12, (3072, 768)), (12, (768, 3072))]
-    runners = [
-        GraphedOrthogonalization(SPEC, None, f"group {i}", torch.cuda.Stream())
-        for i in range(len(shapes))
-    ]
+    runners = [make_graphed(SPEC, f"group {i}", torch.cuda.Stream()) for i in range(len(shapes))]
     for call in range(3):
         inputs = [pieces(n, shape, seed=10 * call + i) for i, (n, shape) in enumerate(shapes)]
         outs = [run(X) for run, X in zip(runners, inputs, strict=True)]
@@ -80,16 +88,13 @@ def test_concurrent_replays_of_large_products_stay_exact():
 
 
 @cuda
-def test_failed_capture_falls_back_to_eager(monkeypatch):
-    import muon_plugin.cuda_graphs as cg
-
-    def not_capturable(X, spec, out_dtype=None, *, overwrite_input=False):
+def test_failed_capture_falls_back_to_eager():
+    def not_capturable(X, *, overwrite_input=False):
         if torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize()  # not allowed while capturing
-        return orthogonalize_stack(X, spec, out_dtype, overwrite_input=overwrite_input)
+        return orthogonalize_stack(X, SPEC, overwrite_input=overwrite_input)
 
-    monkeypatch.setattr(cg, "orthogonalize_stack", not_capturable)
-    graphed = GraphedOrthogonalization(SPEC, None, "test group")
+    graphed = GraphedOrthogonalization(not_capturable, "test group")
     X = pieces(4, (64, 64), seed=1)
     graphed(X)
     with pytest.warns(UserWarning, match="test group"):

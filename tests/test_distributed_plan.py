@@ -207,3 +207,40 @@ def test_report_formats():
     text = format_report(plan.report())
     assert "(32, 16)" in text and "S(0)" in text
     assert "Muon orthogonalization plan" in format_report([])
+
+
+def test_report_names_the_backend_and_its_path():
+    """The planner resolves each group's path once, for this rank's stack on its device."""
+    entries = [((64, 160), (4,), (Shard(0),), SPEC)] * 8
+    entries.append(((32, 16), (4,), (Shard(0),), MatrixSpec(backend="plain")))
+    rows = simulate_plan(entries).report()
+    assert [(r["backend"], r["path"]) for r in rows] == [
+        ("auto", "x, bf16, eager"),
+        ("plain", "x, bf16, eager"),
+    ]
+    gpu = simulate_plan(entries, device="cuda").report()  # resolution only: nothing runs
+    assert [r["path"] for r in gpu] == ["gram, fp16 cublas, graph", "x, bf16, eager"]
+    assert simulate_plan(entries, device="cuda", batched=False).report()[0]["path"] == (
+        "gram, fp16 cublas, eager"
+    )
+    assert "auto: x, bf16, eager" in format_report(rows)
+
+
+def test_buffers_follow_the_process_groups_rank_order():
+    """The communicator re-lays a schedule when its process group ranks the peers otherwise:
+    the same pieces per peer, the peers in the group's order."""
+    entries = [(s, (4,), (Shard(0),), SPEC) for s in llama_layers(32, 96, 8, 1)]
+    plan = simulate_plan(entries, rank=1)
+    order = [2, 0, 3, 1]
+    for g in plan.groups:
+        sched = g.schedule
+        before = {
+            name: (list(getattr(sched, name)), list(getattr(sched, f"{name}_splits")))
+            for name in ("gather_send", "gather_recv", "back_send", "back_recv")
+        }
+        sched.lay_out(order)
+        for name, (items, splits) in before.items():
+            assert getattr(sched, f"{name}_splits") == [splits[j] for j in order]
+            per_peer = sched.by_peer[name]
+            assert getattr(sched, name) == [item for j in order for item in per_peer.get(j, [])]
+            assert sorted(map(repr, getattr(sched, name))) == sorted(map(repr, items))

@@ -8,12 +8,20 @@ import pytest
 import torch
 
 from muon_plugin.orthogonalize import (
+    IterationPath,
     MatrixSpec,
     coefficient_schedule,
     lr_shape_factor,
     orthogonalize_stack,
     zeropower,
 )
+
+# Paths forced on the CPU (the products of the Triton ones emulated, see kernel_like_gram).
+KERNEL = IterationPath("x", "triton", xx_triton=True)
+KERNEL_GRAM = IterationPath("gram", "triton", xx_triton=True)
+HALF = IterationPath("x", "fp16")
+TORCH_GRAM = IterationPath("gram", "fp16")
+ITERATIONS = "muon_plugin.orthogonalize.iterations.gram"  # what the iterations multiply with
 
 
 def polar(G: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,9 @@ def test_stack_applies_lr_shape_factor():
     assert rel_err(out, math.sqrt(3) * zeropower(X, 5).float()) < 1e-2
 
 
-def kernel_like_gram(X, *, Y=None, alpha=1.0, C=None, beta=0.0, gamma=0.0, out_dtype=None):
+def kernel_like_gram(
+    X, *, Y=None, alpha=1.0, C=None, beta=0.0, gamma=0.0, out_dtype=None, kernel=None, tma=None
+):
     """Emulates the Triton kernel: fp32 accumulation and epilogue, then one rounding."""
     X32 = X.float()
     Y32 = X32 if Y is None else Y.float()
@@ -170,14 +180,11 @@ def test_fused_identity_form_matches_baddbmm_form(monkeypatch):
     ``gram`` is replaced by an emulation of the kernel. That path also folds the input's
     normalization into the first step (norm from the Gram matrix's trace).
     """
-    import muon_plugin.orthogonalize as ortho
-
     for shape in [(48, 160), (160, 48), (2, 32, 32)]:
         G = gradient_like(*shape, seed=11)
         plain = zeropower(G, 5)
-        monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
-        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
-        fused = zeropower(G, 5, scale=1.5, gram_space=False)
+        monkeypatch.setattr(ITERATIONS, kernel_like_gram)
+        fused = zeropower(G, 5, scale=1.5, path=KERNEL)
         monkeypatch.undo()
         assert fused.shape == G.shape
         assert rel_err(fused, 1.5 * plain.float()) < 5e-2  # two bf16 roundings apart
@@ -189,13 +196,10 @@ def test_fused_identity_form_matches_baddbmm_form(monkeypatch):
 def test_half_q_form_is_closer_to_fp64_than_bf16_loop(monkeypatch, shape):
     """The cuBLAS path on CUDA (fp16 Q-form, forced here on the CPU) is the same map, closer
     to the fp64 loop than the bf16 loop: fp16 keeps Q ~ I to 3 more bits."""
-    import muon_plugin.orthogonalize as ortho
-
     G = gradient_like(*shape, seed=14) * 1e3  # unnormalized, as momentum is
     ref = float64_polynomial(G, scale=1.3)
     plain = zeropower(G, 5, scale=1.3, gram_space=False)
-    monkeypatch.setattr(ortho, "uses_half_q_form", lambda X: True)
-    out = zeropower(G, 5, scale=1.3, gram_space=False)
+    out = zeropower(G, 5, scale=1.3, path=HALF)
     assert out.shape == G.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert rel_err(out, ref) < 0.75 * rel_err(plain, ref), (rel_err(out, ref), rel_err(plain, ref))
 
@@ -208,14 +212,14 @@ def test_gram_space_iteration_matches_plain_loop(monkeypatch, shape, emulate_ker
     Oracle: the plain loop in fp64. The Gram-space result must be as close to it as the bf16
     plain loop is (it is usually closer: its m x m products carry 3 more mantissa bits).
     """
-    import muon_plugin.orthogonalize as ortho
-
     G = gradient_like(*shape, seed=12)
     ref = float64_polynomial(G, scale=0.7)
     plain_err = rel_err(zeropower(G, 5, scale=0.7, gram_space=False), ref)
     if emulate_kernel:
-        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
-    out = zeropower(G, 5, scale=0.7, gram_space=True)
+        monkeypatch.setattr(ITERATIONS, kernel_like_gram)
+    out = zeropower(G, 5, scale=0.7, path=KERNEL_GRAM if emulate_kernel else TORCH_GRAM)
+    if not emulate_kernel:  # what gram_space=True resolves to on the CPU
+        assert torch.equal(out, zeropower(G, 5, scale=0.7, gram_space=True))
     assert out.shape == G.shape and out.dtype == torch.bfloat16
     err = rel_err(out, ref)
     assert err < 1.25 * plain_err + 2e-3, (err, plain_err)
@@ -226,7 +230,7 @@ def test_gram_space_restart_every_step_is_the_plain_q_form_loop(monkeypatch):
     """With a restart after every step the Gram-space loop is the Q-form loop (fp16 Q)."""
     import muon_plugin.orthogonalize as ortho
 
-    monkeypatch.setattr(ortho, "gram", kernel_like_gram)
+    monkeypatch.setattr(ITERATIONS, kernel_like_gram)
     G = gradient_like(2, 40, 120, seed=13)
     X = G.to(torch.bfloat16)
     X = X / (X.float().norm(dim=(-2, -1), keepdim=True) * 1.01).to(torch.bfloat16)
@@ -236,16 +240,14 @@ def test_gram_space_restart_every_step_is_the_plain_q_form_loop(monkeypatch):
     assert rel_err(every_step, q_form) < 3e-2  # fp16 vs bf16 m x m matrices, 6 steps
 
 
-@pytest.mark.parametrize("path", ["kernel", "kernel-gram", "half", "torch-gram"])
-def test_zero_input_stays_zero_on_every_path(monkeypatch, path):
-    import muon_plugin.orthogonalize as ortho
+PATHS = {"kernel": KERNEL, "kernel-gram": KERNEL_GRAM, "half": HALF, "torch-gram": TORCH_GRAM}
 
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_zero_input_stays_zero_on_every_path(monkeypatch, path):
     if path.startswith("kernel"):
-        monkeypatch.setattr(ortho, "kernel_handles", lambda A: True)
-        monkeypatch.setattr(ortho, "gram", kernel_like_gram)
-    if path == "half":
-        monkeypatch.setattr(ortho, "uses_half_q_form", lambda X: True)
-    out = zeropower(torch.zeros(2, 16, 40), 5, gram_space=path.endswith("gram"))
+        monkeypatch.setattr(ITERATIONS, kernel_like_gram)
+    out = zeropower(torch.zeros(2, 16, 40), 5, path=PATHS[path])
     assert torch.isfinite(out).all() and (out == 0).all()
 
 

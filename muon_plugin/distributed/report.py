@@ -1,9 +1,51 @@
-"""Text rendering of an orthogonalization plan report (what rank 0 logs at start-up)."""
+"""An orthogonalization plan's report: its shape groups as data, and as the text rank 0 logs."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
+
+from muon_plugin.distributed.layout import describe_placements
+from muon_plugin.distributed.planner import ShapeGroup
+
+
+def report_rows(groups: Sequence[ShapeGroup]) -> list[dict[str, Any]]:
+    """Per shape group: layout, matrices, and matrices/bytes/FLOPs per rank of its mesh.
+
+    Lists are indexed by linear mesh index; ``ranks`` gives the global rank of each entry.
+    Bytes count both directions of a step (shards to their owners, results back).
+    ``backend`` and ``path`` say how this rank orthogonalizes its stack of the group (the
+    backend's name and its resolved path, e.g. ``"gram, triton(tma), graph"``).
+    """
+    rows = []
+    for g in groups:
+        send = [a + b for a, b in zip(g.gather_send_bytes, g.back_send_bytes, strict=True)]
+        recv = [a + b for a, b in zip(g.gather_recv_bytes, g.back_recv_bytes, strict=True)]
+        local = g.domain.size == 1 and g.domain.source is None
+        rows.append(
+            {
+                "shape": g.shape,
+                "dtype": str(g.dtype).removeprefix("torch."),
+                "placements": "local" if local else describe_placements(g.layout.placements),
+                "mesh": "x".join(map(str, g.domain.mesh_shape)),
+                "ranks": list(g.domain.ranks),
+                "params": len(g.indices),
+                "names": list(g.names),
+                "matrices": len(g.units),
+                "matrix_shape": g.unit_shape,
+                "matrices_per_rank": list(g.matrices_per_rank),
+                "send_bytes_per_rank": send,
+                "recv_bytes_per_rank": recv,
+                "gather_send_bytes_per_rank": list(g.gather_send_bytes),
+                "return_send_bytes_per_rank": list(g.back_send_bytes),
+                "flops_per_rank": list(g.flops_per_rank),
+                "collectives": int(g.gather_comm) + int(g.back_comm),
+                "backend": g.path.backend if g.path else g.spec.backend,
+                "path": g.path.describe() if g.path else "",
+            }
+        )
+    return rows
 
 
 def format_bytes(n: float) -> str:
@@ -35,13 +77,15 @@ def totals_per_rank(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:
-    """One line per shape group (layout, matrices, the busiest rank's load and traffic), then
-    the totals over all groups per rank (min-max), which is what load balancing evens out."""
+    """One line per shape group (layout, matrices, the busiest rank's load and traffic, the
+    backend and its path on this rank), then the totals over all groups per rank (min-max),
+    which is what load balancing evens out."""
     if not rows:
         return "Muon orthogonalization plan: empty (no Muon step yet)"
     header = (
         f"{'shape':>20} {'dtype':>9} {'mesh':>7} {'placements':>22} {'matrices':>8} "
-        f"{'per rank (min-max)':>18} {'max send':>10} {'max recv':>10} {'max GFLOP':>10}"
+        f"{'per rank (min-max)':>18} {'max send':>10} {'max recv':>10} {'max GFLOP':>10}  "
+        "backend: path"
     )
     lines = ["Muon orthogonalization plan (per step):", header]
     for row in rows:
@@ -52,7 +96,7 @@ def format_report(rows: list[dict[str, Any]]) -> str:
             f"{f'{min(per_rank)}-{max(per_rank)}':>18} "
             f"{format_bytes(max(row['send_bytes_per_rank'])):>10} "
             f"{format_bytes(max(row['recv_bytes_per_rank'])):>10} "
-            f"{max(row['flops_per_rank']) / 1e9:>10.2f}"
+            f"{max(row['flops_per_rank']) / 1e9:>10.2f}  {_backend(row)}"
         )
     totals = totals_per_rank(rows)
     matrices = [t["matrices"] for t in totals.values()]
@@ -67,3 +111,8 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         f"collectives {sum(row.get('collectives', 0) for row in rows)}"
     )
     return "\n".join(lines)
+
+
+def _backend(row: dict[str, Any]) -> str:
+    backend, path = row.get("backend", "-"), row.get("path", "")
+    return f"{backend}: {path}" if path and path != backend else backend

@@ -329,7 +329,7 @@ def _has_tma(device_index: int) -> bool:
 
 def tma_eligible(X: torch.Tensor, Y: torch.Tensor) -> bool:
     """TMA loads need Hopper or newer, contiguous operands and 16-byte aligned rows."""
-    if INTERPRET or os.environ.get("MUON_PLUGIN_SYRK_TMA", "1") == "0" or not X.is_cuda:
+    if INTERPRET or not X.is_cuda:
         return False
     if not _has_tma(X.get_device()):
         return False
@@ -383,12 +383,14 @@ def launch(
     config: dict | None = None,
     gamma: float = 0.0,
     Y: torch.Tensor | None = None,
+    tma: bool = True,
 ) -> torch.Tensor:
     """Launch on 3-D tensors X, Y (B, M, K), C (B, M, M) or None, out (B, M, M).
 
     Computes ``alpha * X @ Y^T + beta * C + gamma * I`` (``Y`` defaults to ``X``); only the
     upper triangle is computed, so ``X @ Y^T`` must be symmetric. ``out`` may have its own
-    dtype (the fp32 result is rounded once to it).
+    dtype (the fp32 result is rounded once to it). ``tma`` allows the TMA kernel where the
+    operands are eligible (``tma_eligible``); else the pointer-load kernel runs.
 
     ``config`` (keys BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses
     autotuning; the interpreter always uses a fixed config.
@@ -432,7 +434,7 @@ def launch(
     else:
         flags["UPCAST"] = False
     key = (m, k, has_c, X.dtype, c_arg.dtype, out.dtype, precision)
-    if X.dtype != torch.float32 and tma_eligible(X, Y):
+    if tma and X.dtype != torch.float32 and tma_eligible(X, Y):
         # The pointer kernel's args minus the 6 X/Y strides (args[6:12]).
         tma_args = (X, Y, c_arg, out, m, k, batch * m, *args[12:])
         tma_store = tma_store_eligible(out)

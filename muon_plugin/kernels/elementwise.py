@@ -10,7 +10,10 @@ back in bf16, the dtype the orthogonalization runs in anyway.
 
 :func:`kernel_groups` picks the pairs the kernels take (contiguous CUDA tensors of fp32, bf16
 or fp16, with Triton enabled) and splits them into same-device, same-dtype sub-lists, one launch
-each; the per-launch tables are cached per distinct list (see ``_elementwise_triton``).
+each; the per-launch tables are cached per distinct list (see ``_elementwise_triton``). Whether
+the kernels may run at all is the orthogonalization backend's call
+(``muon_plugin.orthogonalize.elementwise_kernels_allowed(name)``, resolved once by the driver and
+passed as ``enabled``); without it, ``MUON_PLUGIN_DISABLE_TRITON`` decides, read at the call.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from types import ModuleType
 
 import torch
 
-from muon_plugin.kernels.symmetric import triton_kernels_enabled
+from muon_plugin.kernels.symmetric import triton_available, triton_kernels_enabled
 
 # A list of one tensor smaller than this stays on the foreach path (``kernel_groups``); where
 # the update takes the foreach path, stacks smaller than this come back from the local
-# orthogonalization in the param dtype (muon_plugin.distributed.plan).
+# orthogonalization in the param dtype (muon_plugin.distributed.executor).
 FUSED_MIN_NUMEL = 1 << 22
 
 KERNEL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -42,15 +45,18 @@ def _module() -> ModuleType:
 
 
 def kernel_groups(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], enabled: bool | None = None
 ) -> tuple[list[list[int]], list[int]]:
     """Split the pairs ``(a[i], b[i])`` into kernel launches and the rest.
 
     Returns index lists, one per launch (one device, one dtype of ``a``, one of ``b``; list
     order kept), and the indices left to the foreach path: pairs on another device type, not
-    contiguous, of other dtypes or of different numels, or all of them when Triton is off.
+    contiguous, of other dtypes or of different numels, or all of them when the kernels are
+    off: ``enabled=False`` (the backend's choice), triton missing, or, with ``enabled=None``,
+    ``MUON_PLUGIN_DISABLE_TRITON=1``.
     """
-    if not a or not triton_kernels_enabled():
+    allowed = triton_kernels_enabled() if enabled is None else enabled and triton_available()
+    if not a or not allowed:
         return [], list(range(len(a)))
     if len(a) == 1 and a[0].numel() < FUSED_MIN_NUMEL:
         # A lone small tensor (the per-parameter driver) gains nothing from a launch of its

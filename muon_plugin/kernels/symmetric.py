@@ -5,6 +5,12 @@ Each Muon orthogonalization step on X (B, m, n), m <= n, computes ``A = X @ X.mT
 is symmetric. The Triton kernel computes only the upper-triangle tiles and mirrors them,
 halving the FLOPs; ``gram`` picks it where it beats cuBLAS and falls back to torch elsewhere.
 
+Which product runs where is a caller's choice: ``gram(..., kernel=True/False, tma=...)`` does
+what it is told (the orthogonalization backends resolve it once per shape group, see
+:mod:`muon_plugin.orthogonalize.backends`). Left at ``None`` (direct calls), ``kernel`` is
+decided by :func:`kernel_handles` and ``tma`` by :func:`tma_enabled`, which read
+``MUON_PLUGIN_DISABLE_TRITON`` and ``MUON_PLUGIN_SYRK_TMA`` at that call.
+
 Triton is optional: it is imported lazily, and ``import muon_plugin.kernels`` never fails.
 """
 
@@ -21,7 +27,10 @@ __all__ = [
     "gram",
     "kernel_handles",
     "symmetric_matmul",
+    "tma_enabled",
+    "tma_supported",
     "triton_available",
+    "triton_kernels_enabled",
     "use_symmetric_kernel",
 ]
 
@@ -108,6 +117,7 @@ def symmetric_matmul(
     out: torch.Tensor | None = None,
     gamma: float = 0.0,
     out_dtype: torch.dtype | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """``alpha * X @ Y.mT + beta * C (+ gamma * I)`` with the Triton kernel; X is (..., m, k).
 
@@ -117,7 +127,8 @@ def symmetric_matmul(
     then mirrored, so the output is exactly symmetric. C, if given, is (..., m, m) (broadcast
     over the batch) and is taken as symmetric: only its upper triangle is read. ``out`` must
     not overlap X, Y or C. Needs a GPU that Triton supports, or TRITON_INTERPRET=1 set before
-    the first call (then CPU tensors work, slowly).
+    the first call (then CPU tensors work, slowly). ``tma`` allows the TMA-load kernel on
+    Hopper where the operands qualify (default: :func:`tma_enabled`).
     """
     if X.dtype not in _LAUNCH_DTYPES:
         raise TypeError(f"symmetric_matmul supports bf16/fp16/fp32, got {X.dtype}")
@@ -161,7 +172,8 @@ def symmetric_matmul(
                 raise ValueError(f"out must not share memory with {name}")
     if out.numel():  # k == 0 is fine: the kernel's loop does not run, leaving beta * C
         out3 = out if out.dim() == 3 else out.view(-1, m, m)
-        mod.launch(X3, C3, out3, alpha, beta, gamma=gamma, Y=Y3)
+        tma = tma_enabled() if tma is None else tma
+        mod.launch(X3, C3, out3, alpha, beta, gamma=gamma, Y=Y3, tma=tma)
     return out
 
 
@@ -191,8 +203,20 @@ def _torch_gram(
 
 
 def triton_kernels_enabled() -> bool:
-    """Triton is importable and not switched off with MUON_PLUGIN_DISABLE_TRITON=1."""
+    """Triton is importable and not switched off with MUON_PLUGIN_DISABLE_TRITON=1 (read now)."""
     return os.environ.get("MUON_PLUGIN_DISABLE_TRITON", "0") != "1" and triton_available()
+
+
+def tma_enabled() -> bool:
+    """The TMA-load kernel is not switched off with MUON_PLUGIN_SYRK_TMA=0 (read now)."""
+    return os.environ.get("MUON_PLUGIN_SYRK_TMA", "1") != "0"
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU with TMA (Hopper or newer); False without CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def kernel_handles(X: torch.Tensor) -> bool:
@@ -215,6 +239,8 @@ def gram(
     beta: float = 0.0,
     gamma: float = 0.0,
     out_dtype: torch.dtype | None = None,
+    kernel: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """``alpha * X @ Y.mT + beta * C + gamma * I`` for X (..., m, k); the optimizer's entry point.
 
@@ -227,12 +253,16 @@ def gram(
     reached through an fp32 product (one rounding, as in the kernel); in X's own dtype the
     product is one ``baddbmm`` (one rounding) and ``gamma * I`` is added to it after (a
     second rounding, of the diagonal only). Returns (..., m, m).
+
+    ``kernel`` (True: the Triton kernel, False: torch) overrides that choice, and ``tma``
+    allows the kernel's TMA loads (see ``symmetric_matmul``): callers that resolved their path
+    once pass both, so nothing is decided (and no environment variable read) per product.
     """
     if C is not None:
         _check_c(C, X)
-    if kernel_handles(X):
+    if kernel_handles(X) if kernel is None else kernel:
         return symmetric_matmul(
-            X, Y=Y, alpha=alpha, C=C, beta=beta, gamma=gamma, out_dtype=out_dtype
+            X, Y=Y, alpha=alpha, C=C, beta=beta, gamma=gamma, out_dtype=out_dtype, tma=tma
         )
     Y = X if Y is None else Y
     if out_dtype in (None, X.dtype):

@@ -6,28 +6,27 @@ each kernel runs for tens of microseconds while its launch through PyTorch and c
 about as much host time, so an eager Muon step is bound by the host. A captured graph replays
 the whole stack's kernels with one launch.
 
-:class:`GraphedOrthogonalization` wraps :func:`~muon_plugin.orthogonalize.orthogonalize_stack`
-for one shape group of the orthogonalization plan: the first call runs eagerly (it autotunes
-the Triton kernels and warms cuBLAS), the second captures the call with a static input buffer,
-and every later call copies its input into that buffer and replays. The math is the same
-sequence of kernels, so results equal the eager ones. Graphs are used only on CUDA, for
-matrices of at most ``GRAPH_MAX_MATRIX_NUMEL`` elements in stacks of at most
-``GRAPH_MAX_STACK_NUMEL`` (the graph keeps its intermediates allocated between steps, a few
-times the stack), and never with ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``. A capture that fails
-falls back to eager execution for that group, with one warning.
+:class:`GraphedOrthogonalization` wraps a backend's stack function for one shape group (see
+``Backend.runner`` in :mod:`muon_plugin.orthogonalize.backends`): the first call runs eagerly
+(it autotunes the Triton kernels and warms cuBLAS), the second captures the call with a static
+input buffer, and every later call copies its input into that buffer and replays. The math is
+the same sequence of kernels, so results equal the eager ones. Whether a group is graphed is
+part of its resolved path: on CUDA, for matrices of at most ``GRAPH_MAX_MATRIX_NUMEL`` elements
+in stacks of at most ``GRAPH_MAX_STACK_NUMEL`` (the graph keeps its intermediates allocated
+between steps, a few times the stack), see :func:`use_cuda_graph`. A capture that fails falls
+back to eager execution for that group, with one warning.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack, stack_bf16
+from muon_plugin.orthogonalize.spec import MatrixSpec, stack_bf16, stack_shape
 
 # Matrices up to 2048 x 2048 (or 1024 x 4096): above that the products run long enough that
 # launches overlap with them (measured on an H200: see docs/performance.md).
@@ -35,19 +34,17 @@ GRAPH_MAX_MATRIX_NUMEL = 2**22
 # 256 MiB of bf16 input per stack: bounds the memory a graph keeps between steps.
 GRAPH_MAX_STACK_NUMEL = 2**27
 
-
-def cuda_graphs_enabled() -> bool:
-    """False when ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``."""
-    return os.environ.get("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "0") != "1"
+# ``run(X)`` or ``run(X, overwrite_input=True)``: the stack's bf16 result.
+StackFunction = Callable[..., Tensor]
 
 
 def use_cuda_graph(
     device: torch.device, stack_size: int, matrix_numel: int, spec: MatrixSpec
 ) -> bool:
-    """Whether a stack of ``stack_size`` units with ``matrix_numel``-element matrices is graphed."""
+    """Whether a stack of ``stack_size`` units with ``matrix_numel``-element matrices pays for a
+    graph (the backends' rule; ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS`` is applied by them)."""
     return (
         device.type == "cuda"
-        and cuda_graphs_enabled()
         and not spec.compile
         and 0 < matrix_numel <= GRAPH_MAX_MATRIX_NUMEL
         and stack_size * matrix_numel <= GRAPH_MAX_STACK_NUMEL
@@ -62,26 +59,23 @@ class _Captured:
 
 
 class GraphedOrthogonalization:
-    """``orthogonalize_stack(X, spec, out_dtype)`` for one fixed stack shape, via a CUDA graph.
+    """``run(X)`` for one fixed stack shape, via a CUDA graph.
 
-    With a ``stream`` the graph is captured on it and every replay runs on it, after the input
-    is copied on the caller's current stream, which must wait for ``stream`` before it reads
-    the result; several runners on different streams overlap on the GPU. A graph is tied to
-    its stream because cuBLAS bakes the stream's workspace into it: two graphs captured on one
-    stream and replayed concurrently would share that workspace. The returned tensor is the
-    graph's static output: it holds this call's result until the next call on the same object
-    (the optimizer consumes it within the step). Inputs of another shape run eagerly.
+    ``run`` is a stack function (``run(X)``, and ``run(X, overwrite_input=True)`` on the
+    graph's own input buffer). With a ``stream`` the graph is captured on it and every replay
+    runs on it, after the input is copied on the caller's current stream, which must wait for
+    ``stream`` before it reads the result; several runners on different streams overlap on the
+    GPU. A graph is tied to its stream because cuBLAS bakes the stream's workspace into it: two
+    graphs captured on one stream and replayed concurrently would share that workspace. The
+    returned tensor is the graph's static output: it holds this call's result until the next
+    call on the same object (the optimizer consumes it within the step). Inputs of another
+    shape run eagerly.
     """
 
     def __init__(
-        self,
-        spec: MatrixSpec,
-        out_dtype: torch.dtype | None,
-        name: str,
-        stream: torch.cuda.Stream | None = None,
+        self, run: StackFunction, name: str, stream: torch.cuda.Stream | None = None
     ) -> None:
-        self.spec = spec
-        self.out_dtype = out_dtype
+        self.run = run
         self.name = name
         self.stream = stream
         self.calls = 0
@@ -90,15 +84,15 @@ class GraphedOrthogonalization:
 
     def __call__(self, X: Tensor | Sequence[Tensor]) -> Tensor:
         self.calls += 1
-        shape = _stack_shape(X)
+        shape = stack_shape(X)
         if self.failed or self.calls == 1:
-            return self._eager(X)
+            return self.run(X)
         if self.captured is None:
             self.captured = self._capture(X, shape)
             if self.captured is None:
-                return self._eager(X)
+                return self.run(X)
         elif tuple(self.captured.static_input.shape) != shape:
-            return self._eager(X)
+            return self.run(X)
         else:
             _fill(self.captured.static_input, X)
         if self.stream is None:
@@ -108,9 +102,6 @@ class GraphedOrthogonalization:
             with torch.cuda.stream(self.stream):
                 self.captured.graph.replay()
         return self.captured.output
-
-    def _eager(self, X: Tensor | Sequence[Tensor]) -> Tensor:
-        return orthogonalize_stack(X, self.spec, out_dtype=self.out_dtype)
 
     def _capture(self, X: Tensor | Sequence[Tensor], shape: tuple[int, ...]) -> _Captured | None:
         first = X if isinstance(X, Tensor) else X[0]
@@ -124,12 +115,10 @@ class GraphedOrthogonalization:
                 current = torch.cuda.current_stream(self.stream.device)
                 self.stream.wait_stream(current)
                 with torch.cuda.stream(self.stream):
-                    orthogonalize_stack(static_input.clone(), self.spec, out_dtype=self.out_dtype)
+                    self.run(static_input.clone())
                 current.wait_stream(self.stream)
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                output = orthogonalize_stack(
-                    static_input, self.spec, out_dtype=self.out_dtype, overwrite_input=True
-                )
+                output = self.run(static_input, overwrite_input=True)
         except Exception as e:  # a capture failure must never stop training
             self.failed = True
             warnings.warn(
@@ -139,12 +128,6 @@ class GraphedOrthogonalization:
             )
             return None
         return _Captured(graph, static_input, output)
-
-
-def _stack_shape(X: Tensor | Sequence[Tensor]) -> tuple[int, ...]:
-    if isinstance(X, Tensor):
-        return tuple(X.shape)
-    return (len(X), *X[0].shape)
 
 
 def _fill(static_input: Tensor, X: Tensor | Sequence[Tensor]) -> None:

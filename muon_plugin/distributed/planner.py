@@ -1,0 +1,227 @@
+"""The planner: which rank orthogonalizes which whole matrix (pure: no process groups, no I/O).
+
+Every rank computes the same plan from the parameters' layouts:
+
+1. Each Muon parameter is described by its global shape, its *domain* (the ranks of its device
+   mesh, see :mod:`~muon_plugin.distributed.groups`) and its :class:`~muon_plugin.distributed.
+   layout.Layout` (which global indices every rank of the mesh holds): a :class:`ParamLayout`.
+2. Parameters are grouped into *shape groups* by (global shape, dtype, domain, placements, spec).
+3. Each shape group is cut into *units*: whole matrices, i.e. the last two dims of the parameter
+   for every index of its leading (batch) dims, or the whole parameter when ``spec.flatten``.
+4. Every unit gets one *owner*: greedily, largest estimated FLOPs first, onto the least-loaded
+   candidate rank, all shape groups of a domain together (units only one rank can take go
+   first). Candidates are the ranks that already hold the whole unit when there are any (expert
+   stacks sharded on a batch dim, ``Replicate`` meshes: no gathering at all), else every rank of
+   the mesh (ties go to the rank already holding the most of it).
+5. Traffic and this rank's schedule (:mod:`~muon_plugin.distributed.schedule`).
+6. The orthogonalization path of this rank's stack, resolved once by the group's backend
+   (:func:`muon_plugin.orthogonalize.resolve_path`) and stored on the group.
+
+:func:`simulated_layouts` describes hypothetical parameters (a mesh of ranks ``0 .. N-1``), so
+reports and benchmarks run this same planner without processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from muon_plugin.distributed.groups import Domain
+from muon_plugin.distributed.layout import Layout, LayoutError, layout_of
+from muon_plugin.distributed.schedule import Schedule, schedule_group
+from muon_plugin.orthogonalize import MatrixSpec, ResolvedPath, resolve_path
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One Muon parameter as the planner sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    domain: Domain
+    layout: Layout
+    device: torch.device
+    spec: MatrixSpec
+
+
+@dataclass
+class ShapeGroup:
+    """Parameters sharing global shape, dtype, domain, placements and spec."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: MatrixSpec
+    domain: Domain
+    layout: Layout
+    device: torch.device
+    indices: list[int] = field(default_factory=list)  # positions in the step's param list
+    names: list[str] = field(default_factory=list)
+    unit_dims: tuple[int, ...] = ()
+    batch_dims: tuple[int, ...] = ()
+    units: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (k, batch index)
+    owners: list[int] = field(default_factory=list)  # linear rank of each unit's owner
+    unit_flops: float = 0.0
+    # Filled by the planner (per linear rank of the domain).
+    matrices_per_rank: list[int] = field(default_factory=list)
+    flops_per_rank: list[float] = field(default_factory=list)
+    gather_send_bytes: list[int] = field(default_factory=list)
+    gather_recv_bytes: list[int] = field(default_factory=list)
+    back_send_bytes: list[int] = field(default_factory=list)
+    back_recv_bytes: list[int] = field(default_factory=list)
+    schedule: Schedule = field(default_factory=Schedule)
+    gather_comm: bool = False  # does any rank of the domain send anything?
+    back_comm: bool = False
+    path: ResolvedPath | None = None  # how this rank orthogonalizes its stack of the group
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[d] for d in self.unit_dims)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.layout.local_shape(self.domain.me)
+
+
+def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[ShapeGroup]:
+    """Shape groups, units, owners, schedules and paths of ``params`` (in this order).
+
+    ``batched``: this rank orthogonalizes its units of a group in one stacked call (the path is
+    resolved for that stack), else unit by unit (an eager path for one unit).
+    """
+    groups: dict[tuple, ShapeGroup] = {}
+    for i, p in enumerate(params):
+        key = (p.shape, p.dtype, p.domain, p.layout.placements, p.spec)
+        group = groups.get(key)
+        if group is None:
+            group = ShapeGroup(p.shape, p.dtype, p.spec, p.domain, p.layout, p.device)
+            groups[key] = group
+        group.indices.append(i)
+        group.names.append(p.name)
+    plan = list(groups.values())
+    for group in plan:
+        _make_units(group)
+    holdings = [_group_holdings(g) for g in plan]
+    _assign_owners(plan, holdings)
+    for group, held in zip(plan, holdings, strict=True):
+        schedule_group(group, held)
+        group.path = _resolve(group, batched)
+    return plan
+
+
+def simulated_layouts(
+    entries: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...], MatrixSpec]],
+    *,
+    rank: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[ParamLayout]:
+    """Hypothetical parameters ``(global shape, mesh shape, placements, spec)``, as seen by
+    ``rank``; every mesh spans ranks ``0 .. N-1`` in row-major order."""
+    out = []
+    for i, (shape, mesh_shape, placements, spec) in enumerate(entries):
+        shape, mesh_shape = tuple(shape), tuple(mesh_shape)
+        try:
+            layout = layout_of(shape, mesh_shape, tuple(placements))
+        except LayoutError as e:
+            raise ValueError(f"cannot orthogonalize entry #{i} (shape {shape}): {e}") from None
+        domain = Domain(tuple(range(math.prod(mesh_shape))), mesh_shape, rank, None)
+        out.append(ParamLayout(f"#{i}", shape, dtype, domain, layout, torch.device(device), spec))
+    return out
+
+
+def _resolve(group: ShapeGroup, batched: bool) -> ResolvedPath:
+    """This rank's path for the group: its whole stack (batched) or one unit at a time."""
+    stack = len(group.schedule.slots) if batched else 1
+    path = resolve_path(group.unit_shape, stack, group.device, group.dtype, group.spec)
+    return path if batched else path.eager()
+
+
+def _make_units(group: ShapeGroup) -> None:
+    ndim = len(group.shape)
+    if group.spec.flatten:
+        group.unit_dims, group.batch_dims = tuple(range(ndim)), ()
+    else:
+        group.unit_dims, group.batch_dims = (ndim - 2, ndim - 1), tuple(range(ndim - 2))
+    group.unit_flops = group.spec.flops(group.unit_shape)
+    if math.prod(group.unit_shape) == 0:
+        group.units = []
+        return
+    batch = list(itertools.product(*(range(group.shape[d]) for d in group.batch_dims)))
+    group.units = [(k, b) for k in range(len(group.indices)) for b in batch]
+
+
+def _holdings(group: ShapeGroup, b: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], int]]:
+    """``(linear rank, local batch index, piece numel)`` of each rank holding part of unit ``b``."""
+    layout = group.layout
+    out = []
+    for j in range(group.domain.size):
+        numel = 1
+        for d in group.unit_dims:
+            numel *= layout.index[d][j].size
+        if numel == 0:
+            continue
+        local_b = []
+        for d, bd in zip(group.batch_dims, b, strict=True):
+            pos = layout.index[d][j].position(bd)
+            if pos is None:
+                break
+            local_b.append(pos)
+        else:
+            out.append((j, tuple(local_b), numel))
+    return out
+
+
+def _group_holdings(group: ShapeGroup) -> dict[tuple[int, ...], list]:
+    cache: dict[tuple[int, ...], list] = {}
+    for _, b in group.units:
+        if b not in cache:
+            cache[b] = _holdings(group, b)
+    return cache
+
+
+def _candidates(
+    group: ShapeGroup, held: list[tuple[int, tuple[int, ...], int]]
+) -> list[tuple[int, int]]:
+    """``(linear rank, numel it holds)`` of the ranks that may own a unit held as ``held``."""
+    unit_numel = math.prod(group.unit_shape)
+    whole = [j for j, _, n in held if n == unit_numel]
+    if whole:
+        return [(j, unit_numel) for j in whole]
+    held_by = {j: n for j, _, n in held}
+    return [(j, held_by.get(j, 0)) for j in range(group.domain.size)]
+
+
+def _assign_owners(groups: list[ShapeGroup], holdings: list[dict]) -> None:
+    """Greedy largest-first load balancing of units onto ranks, per set of ranks.
+
+    Units of domains over the same set of ranks are balanced together; every rank of such a set
+    knows all of its units, so every rank computes the same owners. (Balancing across
+    overlapping but different rank sets would need knowledge some ranks do not have.)
+    """
+    by_ranks: dict[frozenset[int], list[int]] = defaultdict(list)
+    for gi, g in enumerate(groups):
+        by_ranks[frozenset(g.domain.ranks)].append(gi)
+    for members in by_ranks.values():
+        load: dict[int, float] = defaultdict(float)
+        fixed, free = [], []
+        for order, gi in enumerate(members):
+            g = groups[gi]
+            g.owners = [-1] * len(g.units)
+            for ui, (_, b) in enumerate(g.units):
+                candidates = _candidates(g, holdings[gi][b])
+                entry = (g.unit_flops, order, ui, candidates)
+                (fixed if len(candidates) == 1 else free).append(entry)
+        free.sort(key=lambda e: (-e[0], e[1], e[2]))
+        for flops, order, ui, candidates in fixed + free:
+            g = groups[members[order]]
+            ranks = g.domain.ranks
+            j, _ = min(candidates, key=lambda c: (load[ranks[c[0]]], -c[1], c[0]))
+            g.owners[ui] = j
+            load[ranks[j]] += flops

@@ -1,0 +1,103 @@
+"""Orthogonalization: the approximate polar factor ``U V^T`` of a (batched) matrix.
+
+Pure functions, no optimizer state. The modules, bottom up (each imports only those above it,
+:mod:`muon_plugin.kernels` and :mod:`muon_plugin.defaults`):
+
+- :mod:`~muon_plugin.orthogonalize.coefficients`: coefficient schedules of the strategies and
+  the learning-rate shape rule;
+- :mod:`~muon_plugin.orthogonalize.iterations`: the iterations (:func:`iterate`,
+  :func:`iterate_gram`, :class:`Normalization`) on an explicit :class:`IterationPath`;
+- :mod:`~muon_plugin.orthogonalize.spec`: :class:`MatrixSpec` and the walk over a stack of
+  whole updates (flattening, row blocks, the lr shape factor);
+- :mod:`~muon_plugin.orthogonalize.paths`: :class:`ResolvedPath` and the rules that choose one;
+- :mod:`~muon_plugin.orthogonalize.graphs`: CUDA-graphed stacks;
+- :mod:`~muon_plugin.orthogonalize.backends`: the registry of named backends (``"auto"``,
+  ``"cublas"``, ``"plain"``, :func:`register_backend`), resolved once per shape group;
+- :mod:`~muon_plugin.orthogonalize.api`: :func:`zeropower` and :func:`orthogonalize_stack`.
+"""
+
+from muon_plugin.orthogonalize.api import orthogonalize_stack, zeropower
+from muon_plugin.orthogonalize.backends import (
+    Backend,
+    IterationBackend,
+    backend_names,
+    elementwise_kernels_allowed,
+    get_backend,
+    register_backend,
+    resolve_path,
+    run_path,
+    validate_backend,
+)
+from muon_plugin.orthogonalize.coefficients import (
+    EPS,
+    MAX_STEPS,
+    NEWTON_SCHULZ_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    POLAR_EXPRESS_SAFETY,
+    Coefficients,
+    Schedule,
+    coefficient_schedule,
+    lr_shape_factor,
+    validate_coefficients,
+    validate_steps,
+)
+from muon_plugin.orthogonalize.graphs import GraphedOrthogonalization, use_cuda_graph
+from muon_plugin.orthogonalize.iterations import (
+    GRAM_SCALE_CAP,
+    IterationPath,
+    Normalization,
+    gram_restart_interval,
+    iterate,
+    iterate_gram,
+    run_iteration,
+)
+from muon_plugin.orthogonalize.paths import (
+    GRAM_MIN_ASPECT,
+    Features,
+    ResolvedPath,
+    iteration_path,
+    use_gram_iteration,
+)
+from muon_plugin.orthogonalize.spec import MatrixSpec, run_stack, stack_bf16
+
+__all__ = [
+    "EPS",
+    "GRAM_MIN_ASPECT",
+    "GRAM_SCALE_CAP",
+    "MAX_STEPS",
+    "NEWTON_SCHULZ_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "POLAR_EXPRESS_SAFETY",
+    "Backend",
+    "Coefficients",
+    "Features",
+    "GraphedOrthogonalization",
+    "IterationBackend",
+    "IterationPath",
+    "MatrixSpec",
+    "Normalization",
+    "ResolvedPath",
+    "Schedule",
+    "backend_names",
+    "coefficient_schedule",
+    "elementwise_kernels_allowed",
+    "get_backend",
+    "gram_restart_interval",
+    "iterate",
+    "iterate_gram",
+    "iteration_path",
+    "lr_shape_factor",
+    "orthogonalize_stack",
+    "register_backend",
+    "resolve_path",
+    "run_iteration",
+    "run_path",
+    "run_stack",
+    "stack_bf16",
+    "use_cuda_graph",
+    "use_gram_iteration",
+    "validate_backend",
+    "validate_coefficients",
+    "validate_steps",
+    "zeropower",
+]

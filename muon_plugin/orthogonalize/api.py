@@ -1,0 +1,80 @@
+"""The entry points: :func:`zeropower` (a batch of matrices) and :func:`orthogonalize_stack`
+(a stack of whole parameter-shaped updates, the call the optimizer and the plan make).
+
+Both resolve their path through a backend (``"auto"`` unless told otherwise) and run it; the
+plan resolves once per shape group instead and runs the stored path
+(:mod:`muon_plugin.orthogonalize.backends`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from muon_plugin.orthogonalize.backends import iteration_backend, resolve_stack, run_path
+from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, coefficient_schedule
+from muon_plugin.orthogonalize.iterations import IterationPath, run_iteration
+from muon_plugin.orthogonalize.paths import ResolvedPath
+from muon_plugin.orthogonalize.spec import MatrixSpec
+
+
+def zeropower(
+    G: Tensor,
+    steps: int = 5,
+    strategy: str = "polar_express",
+    *,
+    scale: float = 1.0,
+    eps: float = EPS,
+    overwrite_input: bool = False,
+    gram_space: bool | None = None,
+    coefficients: Coefficients | None = None,
+    backend: str = "auto",
+    path: IterationPath | None = None,
+) -> Tensor:
+    """Approximate polar factor ``scale * U V^T`` of ``G`` (``..., m, n``), computed in bf16.
+
+    Leading dimensions are a batch. ``scale`` is folded into the last step, so scaling the
+    result costs nothing. The caller's tensor is left untouched unless ``overwrite_input`` is
+    set and ``G`` is a contiguous bf16 scratch buffer, which may then be overwritten.
+    ``coefficients`` replace the strategy's schedule (see :func:`coefficient_schedule`).
+
+    The path is resolved by the built-in ``backend`` (``"auto"``, ``"cublas"`` or ``"plain"``)
+    for ``G``'s shape and device; ``gram_space`` forces Gram-space (True) or x-space (False)
+    iteration on it, and an explicit ``path`` replaces the resolution altogether.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"zeropower needs a matrix or a batch of matrices, got {tuple(G.shape)}")
+    schedule = coefficient_schedule(
+        strategy, steps, None if coefficients is None else tuple(coefficients)
+    )
+    if path is None:
+        m, n = sorted(G.shape[-2:])
+        batch = math.prod(G.shape[:-2])
+        path = iteration_backend(backend).iteration_path(batch, m, n, G.device, gram_space)
+    return run_iteration(G, schedule, path, scale=scale, eps=eps, overwrite_input=overwrite_input)
+
+
+def orthogonalize_stack(
+    X: Tensor | Sequence[Tensor],
+    spec: MatrixSpec,
+    out_dtype: torch.dtype | None = None,
+    *,
+    overwrite_input: bool = False,
+    path: ResolvedPath | None = None,
+) -> Tensor:
+    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
+
+    ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
+    buffer, which is then normalized in place). Returns a bf16 tensor ``(B, *param_shape)``.
+    Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
+    ``param -= lr * result`` is the Muon update. ``out_dtype`` casts the whole stack once (one
+    launch), which keeps the later multi-tensor update on its fast single-dtype path.
+    ``overwrite_input`` lets a bf16 tensor ``X`` be used as that scratch buffer. The path is
+    resolved by ``spec.backend`` for this stack (eagerly: graphs are the plan's), unless given.
+    """
+    if path is None:
+        path = resolve_stack(X, spec)
+    return run_path(path, X, spec, out_dtype, overwrite_input=overwrite_input)

@@ -1,0 +1,320 @@
+"""The iterations: the approximate polar factor of a batch of wide matrices, on a given path.
+
+Each step on ``X`` (``m <= n``; tall inputs are transposed so the Gram matrix is the small one):
+
+    A = X @ X^T;   B = b*A + c*A@A;   X = a*X + B@X
+
+How the products run is an :class:`IterationPath`, resolved once by a backend
+(:mod:`muon_plugin.orthogonalize.backends`) and passed in: nothing here chooses a kernel or
+reads the environment. The symmetric products go through :func:`muon_plugin.kernels.gram`,
+told by the path whether to use the Triton kernel (and its TMA loads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muon_plugin.kernels import gram
+from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
+
+SPACES = ("x", "gram")
+PRODUCTS = ("triton", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class IterationPath:
+    """How one batched iteration runs; the iteration itself makes no choices.
+
+    - ``space``: ``"x"`` runs the steps on the ``m x n`` matrix (:func:`iterate`), ``"gram"``
+      on its ``m x m`` Gram matrix (:func:`iterate_gram`).
+    - ``products``: the ``m x m`` products and the form of a step. ``"triton"``: the Triton
+      symmetric kernel (``Q = a I + b A + c A A`` summed in fp32, rounded once; ``X <- Q X``);
+      ``"fp16"``: cuBLAS in fp16 (x-space: the whole loop in fp16, ``X <- Q X``; Gram space:
+      fp16 ``m x m`` matrices); ``"bf16"``: the plain loop, one bf16 ``baddbmm`` per step.
+    - ``xx_triton``: the ``X X^T`` products of the ``m x n`` matrix run in the Triton kernel.
+    - ``tma``: the Triton kernel may load (and store) by TMA.
+    """
+
+    space: str = "x"
+    products: str = "bf16"
+    xx_triton: bool = False
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        known = self.space in SPACES and self.products in PRODUCTS
+        if not known or (self.space == "gram" and self.products == "bf16"):
+            raise ValueError(
+                f"IterationPath(space={self.space!r}, products={self.products!r}): expected "
+                f"space in {SPACES} and products in {PRODUCTS} (Gram space: triton or fp16)"
+            )
+
+    @property
+    def mm_triton(self) -> bool:
+        """Whether the ``m x m`` products run in the Triton kernel."""
+        return self.products == "triton"
+
+    def describe(self) -> str:
+        """E.g. ``"gram, triton(tma)"``, ``"x, fp16 cublas"``, ``"x, bf16"``."""
+        kernel = f"triton({'tma' if self.tma else 'ptr'})"
+        products = {"triton": kernel, "fp16": "fp16 cublas", "bf16": "bf16"}[self.products]
+        if self.xx_triton and not self.mm_triton:
+            products += f" + X X^T {kernel}"
+        return f"{self.space}, {products}"
+
+
+PLAIN_PATH = IterationPath()
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Divide the input by ``safety * ||X||_F``, per matrix, inside the iteration.
+
+    Folded into the first step where its ``m x m`` products run in the Triton kernel (the
+    norm is the trace of the Gram matrix, and the ``m x m`` results are scaled instead of the
+    ``m x n`` input); elsewhere ``X`` is scaled in place first.
+    """
+
+    safety: float
+    eps: float = EPS
+
+    # Matrices whose max-abs exceeds this are first scaled down by a power of two: the fp32
+    # sum of squares behind the norm (and the Gram matrix) overflows above ~1.8e19.
+    PRESCALE_ABOVE = 2.0**32
+
+    def prescale_(self, X: Tensor) -> None:
+        """Scale each matrix of the batch ``X`` whose max-abs is huge by a power of two, in place.
+
+        The polar factor does not depend on a positive scale, and a power of two is exact, so
+        this changes nothing for ordinary inputs (the factor is exactly 1) and lets inputs with
+        entries up to the dtype's maximum be orthogonalized like any other instead of giving
+        an overflowed norm (an exactly zero, or non-finite, result). Non-finite inputs stay
+        non-finite.
+        """
+        amax = torch.linalg.vector_norm(
+            X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
+        )
+        big = amax > self.PRESCALE_ABOVE
+        factor = torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0)
+        X.mul_(factor.to(X.dtype))
+
+    def _inverse(self, norm: Tensor) -> Tensor:
+        return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()
+
+    def inverse_norms(self, gram_matrix: Tensor) -> Tensor:
+        """``1 / (safety * ||X||_F)`` per matrix, (B, 1, 1) fp32, from ``trace(X X^T)``."""
+        trace = gram_matrix.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)
+        return self._inverse(trace.clamp_min(0.0).sqrt_()).view(-1, 1, 1)
+
+    def scale_(self, X: Tensor) -> None:
+        """Divide the batch ``X`` by its norms in place."""
+        # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
+        X.mul_(self._inverse(self._norms(X)).to(X.dtype))
+
+    def scaled_copy(self, X: Tensor, dtype: torch.dtype) -> Tensor:
+        """``X`` divided by its norms, in a new ``dtype`` tensor (one pass; X's strides)."""
+        out = torch.empty_like(X, dtype=dtype)
+        return torch.mul(X, self._inverse(self._norms(X)), out=out)
+
+    @staticmethod
+    def _norms(X: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+
+
+def run_iteration(
+    G: Tensor,
+    schedule: Schedule,
+    path: IterationPath,
+    *,
+    scale: float = 1.0,
+    eps: float = EPS,
+    overwrite_input: bool = False,
+) -> Tensor:
+    """``scale`` times the approximate polar factor of ``G`` (``..., m, n``), in bf16, on ``path``.
+
+    The caller's tensor is left untouched unless ``overwrite_input`` is set and ``G`` is a
+    contiguous bf16 scratch buffer. The input is divided by ``safety * ||G||_F`` (see
+    :class:`Normalization`), folded into the first step where its ``m x m`` products run in
+    the Triton kernel, elsewhere by scaling the bf16 copy in place first.
+    """
+    shape = G.shape
+    X = G.reshape(-1, shape[-2], shape[-1])
+    if not (overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()):
+        X = X.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
+    tall = X.size(-2) > X.size(-1)
+    wide = X.mT if tall else X
+    run = iterate_gram if path.space == "gram" else iterate
+    normalize = Normalization(schedule.norm_safety, eps)
+    normalize.prescale_(X)
+    X = run(
+        wide, schedule.coefficients, scale, transpose_result=tall, normalize=normalize, path=path
+    )
+    return X.reshape(shape)
+
+
+def iterate(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float = 1.0,
+    *,
+    transpose_result: bool = False,
+    normalize: Normalization | None = None,
+    path: IterationPath = PLAIN_PATH,
+) -> Tensor:
+    """Run the odd quintic iteration ``X <- a X + (b A + c A A) X`` on a wide batch ``X``.
+
+    The terms of ``a X + B X`` nearly cancel in the first steps, and ``Q = a I + B`` is close
+    to ``I`` in the last ones, so how ``Q`` is rounded decides the error (``path.products``):
+
+    - ``"triton"``: the kernel forms ``Q = a I + b A + c A A`` in fp32 and rounds once to
+      bf16, and the step is ``X <- Q X`` (a plain ``bmm``, no copy of ``X``);
+    - ``"fp16"`` (cuBLAS on CUDA): the whole loop runs in fp16, normalized first (entries of
+      order one; 3 more mantissa bits than bf16, so ``Q``, rounded twice, stays closer to the
+      fp64 loop than the bf16 forms: tests), also ``X <- Q X``, and the result is cast back;
+    - ``"bf16"``: one bf16 ``baddbmm`` per step, ``X <- a X + B X`` summed in fp32.
+
+    With ``transpose_result`` the last step computes ``X^T <- X^T Q`` (``Q`` is symmetric), so
+    a tall input's result comes out contiguous in its own orientation. ``normalize`` divides
+    the unnormalized input by its norm: with the kernel inside the first step (``A`` by the
+    norm squared, ``Q`` by the norm), elsewhere before the loop (``X`` may be overwritten).
+    """
+    q_form = path.mm_triton
+    half = path.products == "fp16"
+    if half:
+        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
+        normalize = None
+    elif normalize is not None and not q_form:
+        normalize.scale_(X)
+        normalize = None
+    out = _iterate_loop(X, coefficients, scale, transpose_result, normalize, path)
+    return out.to(torch.bfloat16) if half else out
+
+
+def _iterate_loop(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float,
+    transpose_result: bool,
+    normalize: Normalization | None,
+    path: IterationPath,
+) -> Tensor:
+    """The steps of :func:`iterate`, in ``X``'s dtype: ``X <- Q X`` or one ``baddbmm``."""
+    q_form = path.products != "bf16"
+    xx, mm, tma = path.xx_triton, path.mm_triton, path.tma
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        A = gram(X, kernel=xx, tma=tma)
+        s = scale if i == last else 1.0
+        final_transposed = i == last and transpose_result
+        if q_form:
+            inv = None
+            if i == 0 and normalize is not None:
+                inv = normalize.inverse_norms(A)
+                A.mul_((inv * inv).to(A.dtype))
+            Q = gram(A, alpha=c * s, C=A, beta=b * s, gamma=a * s, kernel=mm, tma=tma)
+            if inv is not None:
+                Q.mul_(inv.to(Q.dtype))
+            if final_transposed:
+                return torch.bmm(X.mT, Q)
+            X = torch.bmm(Q, X)
+            continue
+        B = gram(A, alpha=c, C=A, beta=b, kernel=mm, tma=tma)
+        if _is_transposed(X):
+            # A tall input seen through .mT: update its contiguous tall form, X^T <- X^T Q
+            # (baddbmm copies its input, and a contiguous copy is a plain memcpy).
+            T = torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+            if final_transposed:
+                return T
+            X = T.mT
+            continue
+        if final_transposed:
+            return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+    return X
+
+
+def _is_transposed(X: Tensor) -> bool:
+    """Whether the batch ``X`` is the ``.mT`` view of a contiguous batch."""
+    return not X.is_contiguous() and X.mT.is_contiguous()
+
+
+# Gram-space iteration: the Gram matrix is stored as GRAM_SCALE_CAP-capped ``m * X X^T`` in
+# fp16 (entries of order one, 3 more mantissa bits than bf16), and X and its Gram matrix are
+# re-formed after every 3 steps (every 2 below m = 256), before rounding errors in the
+# accumulated polynomial grow. Measured against the fp64 loop (tests, docs/performance.md):
+# with these intervals the result is closer to it than the bf16 plain loop's; one more step
+# between restarts is not, for small m.
+GRAM_SCALE_CAP = 8192.0
+
+
+def gram_restart_interval(m: int) -> int:
+    """Steps accumulated in Gram space before ``X`` and its Gram matrix are re-formed."""
+    return 3 if m >= 256 else 2
+
+
+def iterate_gram(
+    X: Tensor,
+    coefficients: tuple[Coefficients, ...],
+    scale: float = 1.0,
+    *,
+    transpose_result: bool = False,
+    normalize: Normalization | None = None,
+    restart_every: int | None = None,
+    path: IterationPath = PLAIN_PATH,
+) -> Tensor:
+    """:func:`iterate` run on the ``m x m`` Gram matrix of a wide batch ``X`` (``m <= n``).
+
+    Every step's ``Q_k = a I + b R_k + c R_k^2`` is a polynomial in ``R_0 = X X^T``, so all
+    ``Q``s and ``R``s commute and ``R_{k+1} = Q_k R_k Q_k``: the steps run on ``m x m``
+    symmetric matrices (half-cost symmetric products) and ``X`` is touched only when the
+    accumulated ``Q = Q_0 Q_1 ...`` is applied, at a restart (every ``restart_every`` steps,
+    default :func:`gram_restart_interval`, which bounds the error of the accumulated product)
+    and at the end. For ``n >> m`` this skips most of the ``m x n`` work of :func:`iterate`.
+    The ``m x m`` matrices are fp16 (the Gram matrix scaled by ``m``), ``X`` stays bf16; the
+    products run in the Triton kernel where ``path`` says so, else as fp16 torch products.
+    Same result as :func:`iterate` up to rounding (tested against it). ``normalize`` divides
+    the unnormalized input by its norm: the first Gram matrix (formed in fp32) by the norm
+    squared, the first ``Q`` applied to ``X`` by the norm.
+    """
+    if restart_every is None:
+        restart_every = gram_restart_interval(X.size(-2))
+    xx = {"kernel": path.xx_triton, "tma": path.tma}
+    mm = {"kernel": path.mm_triton, "tma": path.tma}
+    s = min(float(X.size(-2)), GRAM_SCALE_CAP)
+    half = torch.float16
+    inv = None
+    if normalize is None:
+        R = gram(X, alpha=s, out_dtype=half, **xx)
+    else:
+        R32 = gram(X, out_dtype=torch.float32, **xx)
+        inv = normalize.inverse_norms(R32)
+        R = R32.mul_(inv * inv * s).to(half)
+        del R32
+    Q: Tensor | None = None
+    taken = 0  # steps accumulated in Q since X was last re-formed
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        k = scale if i == last else 1.0
+        # Z = a I + b (R / s) + c (R / s)^2, summed in fp32 and rounded once.
+        Z = gram(R, alpha=c * k / s**2, C=R, beta=b * k / s, gamma=a * k, out_dtype=half, **mm)
+        Q = Z if Q is None else gram(Q, Y=Z, **mm)
+        taken += 1
+        if i == last:
+            break
+        if taken == restart_every:
+            X = torch.bmm(_applied(Q, inv, X.dtype), X)
+            R = gram(X, alpha=s, out_dtype=half, **xx)
+            Q, taken, inv = None, 0, None
+        else:
+            R = gram(gram(Z, Y=R, **mm), Y=Z, **mm)  # Z R Z, symmetric since Z and R commute
+    assert Q is not None
+    Q = _applied(Q, inv, X.dtype)
+    return torch.bmm(X.mT, Q) if transpose_result else torch.bmm(Q, X)
+
+
+def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``Q`` (times the pending inverse norms, if any) in X's dtype, ready to multiply X."""
+    return Q.to(dtype) if inv is None else (Q * inv).to(dtype)
