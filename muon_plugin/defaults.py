@@ -57,9 +57,19 @@ DEFAULTS: dict[str, Any] = {
     "split_sizes": None,
     "ns_coefficients": None,
     "ns_eps": NS_EPS,
+    "backend": "auto",
     "algorithm": "muon",
 }
 """The optimizer's constructor defaults, which every param-group key falls back to."""
 
 PLUGIN_LR_ADJUST = "match_rms_adamw"
 """The framework plugins' ``lr_adjust``: a job's AdamW lr and weight decay keep working."""
+
+SKIP_NONFINITE = False
+"""Constructor-only: skip the update of a Muon matrix whose direction is non-finite."""
+
+PLUGIN_IMPLEMENTATION = "foreach"
+"""The framework plugins' optimizer class: MuonForeach (see :data:`IMPLEMENTATIONS`)."""
+
+PLUGIN_STATE_DTYPE = "fp32"
+"""The framework plugins' momentum storage: fp32, no MuonLP (see :data:`STATE_DTYPES`)."""

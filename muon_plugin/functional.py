@@ -1,20 +1,35 @@
-"""The elementwise math of a Muon step, on lists of (local) tensors.
+"""The Muon step as functions over lists of (local) tensors, in ``torch.optim``'s functional style.
 
-The batched driver passes every parameter of a group at once, the per-parameter driver passes
-one-element lists. Contiguous CUDA tensors (fp32, bf16 or fp16) go through the grouped Triton
-kernels of :mod:`muon_plugin.kernels.elementwise`: one launch and one pass over memory per
-same-dtype sub-list, whatever the sizes (a list mixing bf16 and fp32 parameters makes two
-launches). Everything else (CPU tensors, non-contiguous ones, other dtypes, or everything with
+Three stages, each over lists:
+
+1. :func:`momentum_update_`: update the momentum buffers, return the directions;
+2. :func:`orthogonalize`: hand the directions to a plan (:class:`Orthogonalizer`, built by
+   :func:`muon_plugin.distributed.plan.plan_orthogonalization`), which assembles whole matrices
+   from shards, orthogonalizes them and returns the local shards of the updates;
+3. :func:`decay_and_update_`: decoupled (cautious) weight decay, then ``p -= lr * u``.
+
+:func:`muon` runs the three for the Muon parameters of a step, group by group (one
+:class:`GroupSettings` per group), all matrices through one plan. With ``foreach`` each group's
+lists go to stages 1 and 3 at once; without it, as lists of one.
+
+Contiguous CUDA tensors (fp32, bf16 or fp16) go through the grouped Triton kernels of
+:mod:`muon_plugin.kernels.elementwise`: one launch and one pass over memory per same-dtype
+sub-list, whatever the sizes (a list mixing bf16 and fp32 parameters makes two launches).
+Everything else (CPU tensors, non-contiguous ones, other dtypes, or everything with
 ``MUON_PLUGIN_DISABLE_TRITON=1``) takes the ``torch._foreach_*`` ops below. The kernels follow
 those ops step by step (ATen's lerp formulas, fp32 math, a rounding to the storage dtype where
 each foreach op rounds, fused multiply-adds where ATen's CUDA kernels get them), so the two
 paths agree to within about an ulp; the one difference is that the kernels return the direction
 in bf16, the dtype the orthogonalization casts it to anyway. DTensors are handled by the caller,
-which passes their local shards: everything here is elementwise, so shards need no
+which passes their local shards: stages 1 and 3 are elementwise, so shards need no
 communication.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -26,10 +41,58 @@ from muon_plugin.kernels.elementwise import (
 )
 
 
+class Orthogonalizer(Protocol):
+    """What stage 2 needs of a plan: local directions in, local updates out (same order)."""
+
+    def run(self, directions: Sequence[Tensor]) -> list[Tensor]: ...
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """The elementwise settings of one param group, for ``size`` consecutive list entries."""
+
+    size: int
+    lr: float | Tensor
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    cautious: bool
+    kernels: bool | None = None
+    """Whether the grouped Triton elementwise kernels may run (the group's orthogonalization
+    backend decides; None: wherever they can)."""
+
+
+@dataclass(frozen=True)
+class MomentumStorage:
+    """How momentum is held: stage 1 on a chunk of the lists, and a copy and restore of one
+    parameter's momentum for an update skipped as non-finite.
+
+    The default, :data:`BUFFERS`, holds one tensor per parameter; MuonLP passes its own for
+    quantized momentum (then ``momentum_buffers`` are its per-parameter states).
+    """
+
+    update_: Callable[[list[Tensor], list[Any], float, bool, bool | None], list[Tensor]]
+    """``(grads, momentum_buffers, momentum, nesterov, kernels) -> directions``, updating in
+    place (``kernels``: whether the Triton elementwise kernels may run)."""
+    snapshot: Callable[[Any], Any]
+    """A copy of one parameter's momentum."""
+    restore_: Callable[[Any, Any, Tensor], None]
+    """``(momentum, snapshot, finite)``: put the snapshot back where ``finite`` is False."""
+
+
+def momentum_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Muon momentum is fp32 for bf16/fp16 parameters, else the parameter's own dtype."""
+    return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
+
+
 def momentum_update_(
-    grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    kernels: bool | None = None,
 ) -> list[Tensor]:
-    """Update the momentum buffers in place and return the direction to orthogonalize.
+    """Stage 1: update the momentum buffers in place and return the directions to orthogonalize.
 
     ``buf <- momentum * buf + (1 - momentum) * grad`` (``buf.lerp_(grad, 1 - momentum)``); the
     direction is the Nesterov look-ahead ``grad + momentum * (buf - grad)`` or ``buf`` itself.
@@ -37,7 +100,7 @@ def momentum_update_(
     kernel path the direction is a new bf16 tensor; on the foreach path it is in the buffers'
     dtype (without Nesterov: the buffer itself).
     """
-    groups, rest = kernel_groups(grads, bufs)
+    groups, rest = kernel_groups(grads, bufs, enabled=kernels)
     out: list[Tensor | None] = [None] * len(grads)
     for idx in groups:
         directions = grouped_momentum(
@@ -58,20 +121,31 @@ def momentum_update_(
     return out  # type: ignore[return-value]
 
 
+def orthogonalize(directions: Sequence[Tensor], plan: Orthogonalizer) -> list[Tensor]:
+    """Stage 2: the local shards of the orthogonalized, lr-shape-scaled updates.
+
+    The plan owns the matrices' assembly from shards, their orthogonalization and the lr shape
+    factor; ``directions`` must be in the order the plan was built for.
+    """
+    return plan.run(directions)
+
+
 def decay_and_update_(
     params: list[Tensor],
     updates: list[Tensor],
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     cautious: bool,
+    kernels: bool | None = None,
 ) -> None:
-    """Decay ``p`` by ``lr*wd`` (only where update and ``p`` agree in sign if cautious), then step.
+    """Stage 3: decay ``p`` by ``lr*wd`` (only where update and ``p`` agree in sign if
+    cautious), then ``p -= lr * u``.
 
     Weight decay is decoupled and uses the group ``lr``; any shape-dependent learning-rate
     factor is already folded into ``updates``. Every op rounds to the parameter dtype, on both
     paths.
     """
-    groups, rest = kernel_groups(params, updates)
+    groups, rest = kernel_groups(params, updates, enabled=kernels)
     for idx in groups:
         grouped_decay_update(
             [params[i] for i in idx], [updates[i] for i in idx], lr, weight_decay, cautious
@@ -89,3 +163,91 @@ def decay_and_update_(
         else:
             torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
     torch._foreach_add_(ps, us, alpha=-lr)
+
+
+def nonfinite_updates(updates: Sequence[Tensor]) -> dict[int, Tensor]:
+    """The positions of the non-finite updates, each with its ``isfinite`` mask.
+
+    Newton-Schulz turns any NaN/Inf in a matrix (or row block) into an all-non-finite result,
+    and every rank receives its shard of that result, so the mask selects whole matrices, the
+    same ones on every rank. One device-to-host copy (the per-update flags).
+    """
+    if not updates:
+        return {}
+    norms = torch._foreach_norm(list(updates))
+    finite = torch.stack([n.float() for n in norms]).isfinite().tolist()
+    return {k: torch.isfinite(updates[k]) for k, ok in enumerate(finite) if not ok}
+
+
+def _restore_buffer_(buf: Tensor, before: Tensor, finite: Tensor) -> None:
+    buf.copy_(torch.where(finite, buf, before))
+
+
+BUFFERS = MomentumStorage(momentum_update_, Tensor.clone, _restore_buffer_)
+"""Momentum as one buffer per parameter (fp32 for bf16/fp16 parameters)."""
+
+
+def group_chunks(
+    groups: Sequence[GroupSettings], foreach: bool
+) -> list[tuple[GroupSettings, range]]:
+    """Each group with the index ranges stages 1 and 3 run on: the whole group at once
+    (``foreach``), or one entry at a time."""
+    out, start = [], 0
+    for group in groups:
+        end = start + group.size
+        if foreach:
+            out.append((group, range(start, end)))
+        else:
+            out += [(group, range(i, i + 1)) for i in range(start, end)]
+        start = end
+    return out
+
+
+def muon(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Any],
+    groups: Sequence[GroupSettings],
+    plan: Orthogonalizer,
+    *,
+    foreach: bool = True,
+    skip_nonfinite: bool = False,
+    storage: MomentumStorage = BUFFERS,
+) -> list[int]:
+    """One Muon step for lists of local tensors; returns the positions of skipped updates.
+
+    ``params``, ``grads`` and ``momentum_buffers`` are aligned, group after group as
+    ``groups`` count them; ``plan`` was built for ``params`` in this order. With
+    ``skip_nonfinite``, a parameter whose update is non-finite keeps its weights and momentum
+    where the update is non-finite (whole matrices or row blocks, see
+    :func:`nonfinite_updates`).
+    """
+    chunks = group_chunks(groups, foreach)
+    saved = [storage.snapshot(m) for m in momentum_buffers] if skip_nonfinite else []
+    directions: list[Tensor] = []
+    for group, idx in chunks:
+        directions += storage.update_(
+            [grads[i] for i in idx],
+            [momentum_buffers[i] for i in idx],
+            group.momentum,
+            group.nesterov,
+            group.kernels,
+        )
+    updates = orthogonalize(directions, plan)
+    skipped = nonfinite_updates(updates) if skip_nonfinite else {}
+    before = {}
+    for k, finite in skipped.items():
+        storage.restore_(momentum_buffers[k], saved[k], finite)
+        before[k] = params[k].clone()
+    for group, idx in chunks:
+        decay_and_update_(
+            [params[i] for i in idx],
+            [updates[i] for i in idx],
+            group.lr,
+            group.weight_decay,
+            group.cautious,
+            group.kernels,
+        )
+    for k, finite in skipped.items():
+        params[k].copy_(torch.where(finite, params[k], before[k]))
+    return list(skipped)

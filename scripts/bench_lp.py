@@ -268,7 +268,8 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, checked (``--tasks``, ``--seeds``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short small run (CPU default)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -296,10 +297,18 @@ def main() -> None:
         "--results", default=None, help="write the MuonLP section of this markdown file"
     )
     args = parser.parse_args()
+    args.task_list = args.tasks.split(",")
+    if not args.task_list or any(t not in ("mlp", "lm") for t in args.task_list):
+        parser.error(f"--tasks: expected a comma-separated subset of mlp,lm, got {args.tasks!r}")
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    return args
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    quick = args.quick or device.type == "cpu"
-    if quick:
+
+def apply_preset(args: argparse.Namespace, device: torch.device) -> None:
+    """Fill in the sizes: the quick preset (``--quick`` or a CPU) or the full one, then the
+    ``--mlp-*`` overrides."""
+    if args.quick or device.type == "cpu":
         args.d_in, args.dim, args.hidden, args.depth, args.d_out = 64, 256, 1024, 2, 64
         args.batch, args.eval_batch = 256, 2048
         args.lm_dim, args.lm_depth, args.lm_heads, args.lm_seq = 128, 2, 4, 64
@@ -317,42 +326,32 @@ def main() -> None:
     if args.mlp_d_in is not None:
         args.d_in = args.d_out = args.mlp_d_in
     args.warmup = max(1, args.steps // 20)
-    tasks = args.tasks.split(",")
-    if not tasks or any(t not in ("mlp", "lm") for t in tasks):
-        parser.error(f"--tasks: expected a comma-separated subset of mlp,lm, got {args.tasks!r}")
-    logging.basicConfig(level=logging.WARNING)
 
-    torch.manual_seed(0)
-    teacher = Net(args.d_in, args.dim // 2, args.hidden // 2, 2, args.d_out).to(device)
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    text = stdlib_text(args.lm_bytes) if "lm" in tasks else None
 
+def setup_lines(args: argparse.Namespace, text: tuple | None) -> list[str]:
+    """What each task trains, for the printout and the RESULTS.md section."""
     setup = []
-    if "mlp" in tasks:
+    if "mlp" in args.task_list:
         setup.append(
             f"mlp: dim {args.dim} hidden {args.hidden} depth {args.depth} "
             f"({2 * args.depth} Muon matrices), batch {args.batch}, MSE"
         )
-    if "lm" in tasks:
+    if "lm" in args.task_list:
         setup.append(
             f"lm: byte-level transformer dim {args.lm_dim} depth {args.lm_depth} "
             f"({4 * args.lm_depth} Muon matrices), seq {args.lm_seq}, batch {args.lm_batch}, "
             f"stdlib .py text ({text[0].numel() // 1000} kB train, "
             f"{text[1].numel() // 1000} kB held out), cross-entropy"
         )
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
     seeds_note = f", final loss: mean of {args.seeds} data seeds" if args.seeds > 1 else ""
     setup.append(f"{args.steps} steps each, compile={args.compile}{seeds_note}")
-    print(f"bench_lp: {device_name(device)}, torch {torch.__version__}", flush=True)
-    for line in setup:
-        print(f"  {line}")
-    start = time.perf_counter()
-    runs = {"mlp": lambda d, seed: run_mlp(d, teacher, args, device, seed)}
-    runs["lm"] = lambda d, seed: run_lm(d, text, args, device, seed)
+    return setup
+
+
+def run_rows(args: argparse.Namespace, runs: dict) -> list[dict]:
+    """One row per state dtype (fp32 twice: its data seeds and the next ones, for noise)."""
+    tasks, n = args.task_list, args.seeds
     rows = []
-    n = args.seeds
     for name, state_dtype, first_seed in [
         ("fp32", "fp32", 0),
         ("fp32 seed+1" if n == 1 else f"fp32 seeds {n}-{2 * n - 1}", "fp32", n),
@@ -368,7 +367,29 @@ def main() -> None:
         rows.append(row)
         losses = ", ".join(f"{t} loss {row[t]:.5f}" for t in tasks)
         print(f"  {name}: {row['bytes']:.3f} B/param, {losses}", flush=True)
-    base = rows[0]
+    return rows
+
+
+def table_row(r: dict, base: dict, tasks: list[str]) -> str:
+    """One markdown row: bytes against the target, mlp step time, each task's loss verdict."""
+    target = TARGET_BYTES.get(r["state_dtype"])
+    ok_bytes = ""
+    if target is not None:
+        ok_bytes = f"<= {target:.1f} {'ok' if r['bytes'] <= target else 'MISS'}"
+    line = f"| {r['name']} | {r['bytes']:.3f} | {ok_bytes} |"
+    if "mlp" in tasks:
+        line += f" {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |"
+    for task in tasks:
+        rel = r[task] / base[task] - 1
+        verdict = "-" if r is base else ("yes" if abs(rel) <= TARGET_LOSS else "NO")
+        if r["state_dtype"] == "fp32" and r is not base:
+            verdict = f"({verdict}: noise)"
+        line += f" {r[task]:.5f} | {100 * rel:+.2f}% | {verdict} |"
+    return line
+
+
+def results_table(rows: list[dict], tasks: list[str]) -> str:
+    """The markdown table of every row against the first (fp32)."""
     head = "| state | bytes/param | target |"
     rule = "|---|---|---|"
     if "mlp" in tasks:
@@ -377,41 +398,55 @@ def main() -> None:
     for task in tasks:
         head += f" {task} final loss | vs fp32 | within 2% |"
         rule += "---|---|---|"
-    lines = [head, rule]
-    for r in rows:
-        target = TARGET_BYTES.get(r["state_dtype"])
-        ok_bytes = ""
-        if target is not None:
-            ok_bytes = f"<= {target:.1f} {'ok' if r['bytes'] <= target else 'MISS'}"
-        line = f"| {r['name']} | {r['bytes']:.3f} | {ok_bytes} |"
-        if "mlp" in tasks:
-            line += f" {r['step_ms']:.2f} | {r['step_ms'] / base['step_ms']:.2f}x |"
-        for task in tasks:
-            rel = r[task] / base[task] - 1
-            verdict = "-" if r is base else ("yes" if abs(rel) <= TARGET_LOSS else "NO")
-            if r["state_dtype"] == "fp32" and r is not base:
-                verdict = f"({verdict}: noise)"
-            line += f" {r[task]:.5f} | {100 * rel:+.2f}% | {verdict} |"
-        lines.append(line)
-    table = "\n".join(lines)
+    return "\n".join([head, rule, *(table_row(r, rows[0], tasks) for r in rows)])
+
+
+def write_results(path: str, device: torch.device, setup: list[str], table: str) -> None:
+    """The table with its setup in the MuonLP section of ``path`` (GPU and CPU runs keep
+    their own sections: a CPU smoke run never replaces GPU numbers)."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    setup_md = "".join(f"- {line}\n" for line in setup)
+    write_section(
+        path,
+        "bench_lp" if device.type == "cuda" else "bench_lp_cpu",
+        f"## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
+        f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
+        f"- command: `{command}`\n{setup_md}"
+        f"- fp32 = `MuonForeach` (fp32 momentum); `fp32 seed+1` (or `fp32 seeds N-..`) = "
+        f"the same with other data seeds (run-to-run noise); step time is "
+        f"`optimizer.step()` only (median); final loss on a held-out set\n\n{table}\n",
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    apply_preset(args, device)
+    logging.basicConfig(level=logging.WARNING)
+
+    torch.manual_seed(0)
+    teacher = Net(args.d_in, args.dim // 2, args.hidden // 2, 2, args.d_out).to(device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    text = stdlib_text(args.lm_bytes) if "lm" in args.task_list else None
+
+    setup = setup_lines(args, text)
+    print(f"bench_lp: {device_name(device)}, torch {torch.__version__}", flush=True)
+    for line in setup:
+        print(f"  {line}")
+    start = time.perf_counter()
+    runs = {
+        "mlp": lambda d, seed: run_mlp(d, teacher, args, device, seed),
+        "lm": lambda d, seed: run_lm(d, text, args, device, seed),
+    }
+    rows = run_rows(args, runs)
+    table = results_table(rows, args.task_list)
     elapsed = time.perf_counter() - start
     print()
     print(table)
     print(f"\n({elapsed:.0f} s)")
     if args.results:
-        command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-        setup_md = "".join(f"- {line}\n" for line in setup)
-        # GPU and CPU runs keep their own sections (a CPU smoke run never replaces GPU numbers).
-        write_section(
-            args.results,
-            "bench_lp" if device.type == "cuda" else "bench_lp_cpu",
-            f"## MuonLP state dtypes ({datetime.date.today().isoformat()})\n\n"
-            f"- device: {device_name(device)}\n- torch: {torch.__version__}\n"
-            f"- command: `{command}`\n{setup_md}"
-            f"- fp32 = `MuonForeach` (fp32 momentum); `fp32 seed+1` (or `fp32 seeds N-..`) = "
-            f"the same with other data seeds (run-to-run noise); step time is "
-            f"`optimizer.step()` only (median); final loss on a held-out set\n\n{table}\n",
-        )
+        write_results(args.results, device, setup, table)
 
 
 if __name__ == "__main__":

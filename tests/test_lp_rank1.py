@@ -1,6 +1,7 @@
-"""The rank-1 power step of fp8 momentum (muon_plugin.lp_rank1): against SVD, and sharded.
+"""The rank-1 power step of fp8 momentum (muon_plugin.lp.rank1): against SVD, and sharded.
 
-Single process: repeated steps converge to the leading singular pair; a zero matrix restarts.
+Single process: repeated steps converge to the leading singular pair; a zero matrix restarts; a
+stack of matrices steps each exactly as alone.
 Distributed (gloo, spawned): on 2 ranks (rows or columns sharded) and 4 ranks (a 2 x 2 mesh
 sharding both, and experts sharded on a 3-D stack), the sharded step equals the single-process
 step to fp32 rounding, and the factor placements follow the parameter's; MuonLP's fp8 steps with
@@ -13,7 +14,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from muon_plugin.lp_rank1 import U_KEY, W_KEY, factor_placements, outer, power_step
+from muon_plugin.lp.keys import U_KEY, W_KEY
+from muon_plugin.lp.rank1 import factor_placements, outer, power_step
 
 
 def low_rank_plus_noise(*lead: int, rows: int = 48, cols: int = 80, seed: int = 0) -> torch.Tensor:
@@ -53,6 +55,21 @@ def test_zero_matrix_restarts_from_ones():
     u, w = power_step(m, w, m)
     assert torch.equal(u[0], torch.zeros(8)) and torch.equal(w[0], torch.ones(16))
     assert u[1].norm() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_stacked_power_step_equals_each_alone():
+    """``stacked=True``: each matrix of the leading dim gets exactly its own step (also where a
+    batched product or a long reduction would round differently)."""
+    for lead in [(), (3,)]:
+        for rows in (48, 40000):
+            m = torch.stack(
+                [low_rank_plus_noise(*lead, rows=rows, cols=80, seed=s) for s in range(3)]
+            )
+            w = torch.randn(3, *lead, 80).bfloat16()
+            u, w_new = power_step(m, w, None, stacked=True)
+            for i in range(3):
+                u_i, w_i = power_step(m[i].clone(), w[i], None)
+                assert torch.equal(u[i], u_i) and torch.equal(w_new[i], w_i), (lead, rows, i)
 
 
 # ---------------------------------------------------------------------- distributed

@@ -9,7 +9,7 @@ import torch.nn as nn
 import muon_plugin
 from muon_plugin import Muon, muon_param_groups
 from muon_plugin.param_groups.options import MuonConfig, validate_job_optimizer
-from muon_plugin.param_groups.rules import format_rules_table, muon_lr_range
+from muon_plugin.param_groups.rules_table import format_rules_table, muon_lr_range
 
 
 class TinyLM(nn.Module):

@@ -190,3 +190,11 @@ def test_state_dtype_selects_low_precision_optimizer() -> None:
     opt = register.build_optimizers([model], cfg.optimizer, PARALLEL_DIMS)
     assert isinstance(opt.optimizers[0], MuonLP)
     assert opt.optimizers[0].state_dtype == "bf16"
+
+
+def test_backend_option_reaches_every_muon_group() -> None:
+    model = build_model("llama3", "meta")
+    cfg = job_config("--optimizer.name", "muon", "--optimizer.muon.backend", "cublas")
+    opt = register.build_optimizers([model], cfg.optimizer, PARALLEL_DIMS)
+    groups = opt.optimizers[0].param_groups
+    assert {g["backend"] for g in groups if g["algorithm"] == "muon"} == {"cublas"}

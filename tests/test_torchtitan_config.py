@@ -58,6 +58,8 @@ def test_toml_and_cli_overrides(tmp_path: Path) -> None:
             "tok_*,re:foo.*",
             "--optimizer.lr",
             "1e-3",
+            "--optimizer.muon.backend",
+            "plain",
         ]
     )
     opt = cfg.optimizer
@@ -77,6 +79,7 @@ def test_toml_and_cli_overrides(tmp_path: Path) -> None:
     # untouched options keep the plugin defaults
     assert m.implementation == "foreach" and m.cautious_weight_decay is True
     assert m.state_dtype == "fp32" and m.momentum == 0.95
+    assert m.backend == "plain"
 
 
 def test_defaults_without_a_muon_section(tmp_path: Path) -> None:
@@ -141,6 +144,7 @@ def test_unknown_key_in_muon_section(tmp_path: Path) -> None:
         ('router_algorithm = "sgd"', r"optimizer\.muon\.router_algorithm: invalid value 'sgd'"),
         ('norm_patterns = [""]', r"optimizer\.muon\.norm_patterns: empty"),
         ('norm_patterns = "norm*"', r"optimizer\.muon\.norm_patterns: invalid value 'norm\*'"),
+        ('backend = "tpu"', r"optimizer\.muon\.backend: invalid value 'tpu'; expected one of"),
     ],
 )
 def test_bad_values_name_key_and_value(tmp_path: Path, line: str, message: str) -> None:

@@ -18,9 +18,9 @@ from muon_plugin.param_groups.rules import (  # noqa: E402
     build_param_groups,
     classify,
     default_class,
-    format_rules_table,
     strip_fqn,
 )
+from muon_plugin.param_groups.rules_table import format_rules_table  # noqa: E402
 
 
 def debug_model(name: str, flavor: str = "debugmodel") -> torch.nn.Module:

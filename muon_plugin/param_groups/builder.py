@@ -22,12 +22,8 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from muon_plugin.param_groups.options import MuonConfig
-from muon_plugin.param_groups.rules import (
-    RuleSet,
-    build_param_groups,
-    check_unused_patterns,
-    format_rules_table,
-)
+from muon_plugin.param_groups.rules import RuleSet, build_param_groups, check_unused_patterns
+from muon_plugin.param_groups.rules_table import format_rules_table
 
 __all__ = [
     "BaseHyperparams",
@@ -90,6 +86,7 @@ def optimizer_kwargs(base: BaseHyperparams, cfg: MuonConfig) -> dict[str, Any]:
         "adam_eps": eps,
         "fused_adam": base.fused,
         "compile": cfg.compile,
+        "backend": cfg.backend,
         "lr_adjust": cfg.lr_adjust,
         "flatten": cfg.flatten,
         **({"skip_nonfinite": True} if cfg.skip_nonfinite else {}),
@@ -112,6 +109,7 @@ CONFIG_KEYS: dict[str, str] = {
     "block_size": "optimizer.muon.block_size",
     "skip_nonfinite": "optimizer.muon.skip_nonfinite",
     "flatten": "optimizer.muon.flatten",
+    "backend": "optimizer.muon.backend",
     "algorithm": "optimizer.muon.<class>_algorithm",
 }
 

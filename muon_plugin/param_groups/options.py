@@ -18,62 +18,73 @@ the defaults of every parameter class, ``beta1``/``beta2``/``eps`` those of the 
 Parameter classes (see :mod:`muon_plugin.param_groups.rules` for the default rules): ``matrix``,
 ``expert``, ``router``, ``embedding``, ``output``, ``norm``, ``other``; each has
 ``<class>_patterns``, ``<class>_algorithm``, ``<class>_lr`` and ``<class>_weight_decay``.
+
+Choices and defaults come from :mod:`muon_plugin.defaults` (a setting the optimizer has too
+defaults to the optimizer's value, except ``lr_adjust``: the plugins'
+:data:`~muon_plugin.defaults.PLUGIN_LR_ADJUST`); values are checked against the field types.
 """
 
 # No "from __future__ import annotations": torchtitan 0.2.2 merges these dataclasses by their
 # field types (make_dataclass + is_dataclass), which must be real classes, not strings.
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
-from muon_plugin.defaults import IMPLEMENTATIONS, LR_ADJUSTMENTS, STATE_DTYPES, STRATEGIES
-from muon_plugin.param_groups.rules import (
+from muon_plugin.defaults import (
     ALGORITHMS,
-    PARAM_CLASSES,
-    ClassSettings,
-    Pattern,
-    RuleSet,
+    DEFAULTS,
+    IMPLEMENTATIONS,
+    LR_ADJUSTMENTS,
+    PLUGIN_IMPLEMENTATION,
+    PLUGIN_LR_ADJUST,
+    PLUGIN_STATE_DTYPE,
+    SKIP_NONFINITE,
+    STATE_DTYPES,
+    STRATEGIES,
 )
-
-ORTHOGONALIZATIONS = STRATEGIES
-LR_ADJUSTS = LR_ADJUSTMENTS
+from muon_plugin.param_groups.rules import RuleSet, invalid_value, is_number
 
 _PREFIX = "optimizer.muon."
+_STRATEGY = DEFAULTS["orthogonalization_strategy"]
 
 
-def _bad(key: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"{_PREFIX}{key}: invalid value {value!r}; expected {expected}")
+def choices(allowed: tuple[str, ...], default: str | None = None) -> Any:
+    """The ``Literal`` type of a choice option: ``allowed``, ``default`` first (as ``--help``
+    lists them)."""
+    first = () if default is None else (default,)
+    return Literal[(*first, *(a for a in allowed if a != default))]
 
 
 @dataclass
 class MuonConfig:
     """Muon optimizer (muon_plugin), used when optimizer.name = "muon"."""
 
-    implementation: Literal["foreach", "per_param"] = "foreach"
+    implementation: choices(IMPLEMENTATIONS, PLUGIN_IMPLEMENTATION) = PLUGIN_IMPLEMENTATION
     """'foreach': MuonForeach, batches same-shape matrices (fast). 'per_param': Muon, one
     matrix at a time (reference)."""
 
-    orthogonalization: Literal["polar_express", "newton_schulz"] = "polar_express"
+    orthogonalization: choices(STRATEGIES, _STRATEGY) = _STRATEGY
     """Orthogonalization iteration: 'polar_express' (per-step optimal coefficients,
     arXiv:2505.16932) or 'newton_schulz' (Muon's fixed quintic)."""
 
-    ns_steps: int = 5
+    ns_steps: int = DEFAULTS["ns_steps"]
     """Number of orthogonalization iterations."""
 
-    momentum: float = 0.95
+    momentum: float = DEFAULTS["momentum"]
     """Muon momentum coefficient, in [0, 1)."""
 
-    nesterov: bool = True
+    nesterov: bool = DEFAULTS["nesterov"]
     """Use Nesterov momentum for the Muon groups."""
 
-    cautious_weight_decay: bool = True
+    cautious_weight_decay: bool = DEFAULTS["use_cautious_wd"]
     """Apply weight decay only where the update and the parameter agree in sign."""
 
-    lr_adjust: Literal["match_rms_adamw", "keller", "spectral", "none"] = "match_rms_adamw"
+    lr_adjust: choices(LR_ADJUSTMENTS, PLUGIN_LR_ADJUST) = PLUGIN_LR_ADJUST
     """Per-matrix learning-rate rule of the Muon groups: 'match_rms_adamw' scales by
     0.2*sqrt(max(rows, cols)) so an AdamW lr and weight decay carry over (Moonlight);
     'keller' by sqrt(max(1, rows/cols)); 'spectral' by sqrt(rows/cols); 'none' not at all."""
 
-    flatten: bool = False
+    flatten: bool = DEFAULTS["flatten"]
     """Treat >2-D parameters as (dim0, -1) matrices instead of batches of matrices (leave off
     for MoE experts)."""
 
@@ -86,15 +97,22 @@ class MuonConfig:
     adam_eps: float | None = None
     """Epsilon of the Adam(W) groups; unset (None): optimizer.eps."""
 
-    compile: bool = False
+    compile: bool = DEFAULTS["compile"]
     """torch.compile the orthogonalization."""
 
-    skip_nonfinite: bool = False
+    backend: str = DEFAULTS["backend"]
+    """Orthogonalization backend: 'auto' (the fastest exact-enough path per shape group:
+    Triton symmetric kernels, Gram-space iteration, fp16 Q-form, CUDA graphs where they pay),
+    'cublas' (the same without Triton kernels), 'plain' (the plain bf16 loop on torch matmuls,
+    the reference), or a name registered with muon_plugin.orthogonalize.register_backend. The
+    plan logged after the first step shows the path of every shape group."""
+
+    skip_nonfinite: bool = SKIP_NONFINITE
     """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
     keeping its weights and momentum, instead of writing NaNs into them; skips are counted and
     logged."""
 
-    state_dtype: Literal["fp32", "bf16", "int8", "int4", "fp8"] = "fp32"
+    state_dtype: choices(STATE_DTYPES, PLUGIN_STATE_DTYPE) = PLUGIN_STATE_DTYPE
     """Dtype of the optimizer states: 'fp32' (Muon / MuonForeach); 'bf16', 'int8', 'int4',
     'fp8' select the low-precision MuonLP (needs torchao)."""
 
@@ -111,7 +129,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'matrix'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    matrix_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    matrix_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'matrix' class; unset (None): muon."""
 
     matrix_lr: float | None = None
@@ -125,7 +143,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'expert'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    expert_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    expert_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'expert' class; unset (None): muon."""
 
     expert_lr: float | None = None
@@ -139,7 +157,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'router'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    router_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    router_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'router' class; unset (None): adamw."""
 
     router_lr: float | None = None
@@ -153,7 +171,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'embedding'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    embedding_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    embedding_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'embedding' class; unset (None): adamw."""
 
     embedding_lr: float | None = None
@@ -167,7 +185,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'output'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    output_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    output_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'output' class; unset (None): adamw."""
 
     output_lr: float | None = None
@@ -181,7 +199,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'norm'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    norm_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    norm_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'norm' class; unset (None): adamw."""
 
     norm_lr: float | None = None
@@ -195,7 +213,7 @@ class MuonConfig:
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'other'
     class, checked before the default rules; a pattern matching nothing is an error."""
 
-    other_algorithm: Literal["muon", "adamw", "adam"] | None = None
+    other_algorithm: choices(ALGORITHMS) | None = None
     """Algorithm of the 'other' class; unset (None): adamw."""
 
     other_lr: float | None = None
@@ -208,80 +226,55 @@ class MuonConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Check every value; errors name the key (``optimizer.muon.<key>``) and the value."""
-        choices = {
-            "implementation": IMPLEMENTATIONS,
-            "orthogonalization": ORTHOGONALIZATIONS,
-            "lr_adjust": LR_ADJUSTS,
-            "state_dtype": STATE_DTYPES,
-        }
-        for key, allowed in choices.items():
-            value = getattr(self, key)
-            if value not in allowed:
-                raise _bad(key, value, "one of " + ", ".join(repr(a) for a in allowed))
-        for key in (
-            "nesterov",
-            "cautious_weight_decay",
-            "compile",
-            "log_plan",
-            "flatten",
-            "skip_nonfinite",
-        ):
-            if not isinstance(getattr(self, key), bool):
-                raise _bad(key, getattr(self, key), "true or false")
-        for key in ("ns_steps", "block_size"):
-            value = getattr(self, key)
-            if value is None and key == "block_size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _bad(key, value, "a positive integer")
-        if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
-            raise _bad("momentum", self.momentum, "a number in [0, 1)")
-        for key in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, key)
-            if value is not None and (not _is_number(value) or not 0.0 <= value < 1.0):
-                raise _bad(key, value, "a number in [0, 1)")
-        if self.adam_eps is not None and (not _is_number(self.adam_eps) or not self.adam_eps >= 0):
-            raise _bad("adam_eps", self.adam_eps, "a non-negative number")
-        for c in PARAM_CLASSES:
-            algorithm = getattr(self, f"{c}_algorithm")
-            if algorithm is not None and algorithm not in ALGORITHMS:
-                raise _bad(
-                    f"{c}_algorithm", algorithm, "one of " + ", ".join(map(repr, ALGORITHMS))
-                )
-            for key in (f"{c}_lr", f"{c}_weight_decay"):
-                value = getattr(self, key)
-                if value is not None and (not _is_number(value) or not value >= 0):
-                    raise _bad(key, value, "a non-negative number")
-            patterns = getattr(self, f"{c}_patterns")
-            if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
-                raise _bad(f"{c}_patterns", patterns, "a list of strings")
-            for p in patterns:
-                try:
-                    Pattern(p)
-                except ValueError as e:
-                    raise ValueError(f"{_PREFIX}{c}_patterns: {e}") from None
+        """Check every value; errors name the key (``optimizer.muon.<key>``) and the value.
+
+        Each option is checked against its field type (choices, flags, counts, numbers,
+        pattern lists), then the per-class settings by :meth:`rules`.
+        """
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = option_problem(f.name, value, f.type)
+            if expected is not None:
+                raise invalid_value(_PREFIX + f.name, value, expected)
+        from muon_plugin.orthogonalize import backend_names
+
+        if self.backend not in backend_names():
+            expected = "one of " + ", ".join(map(repr, backend_names()))
+            raise invalid_value(_PREFIX + "backend", self.backend, expected)
+        self.rules()
 
     def rules(self) -> RuleSet:
         """The param-group rules these settings describe."""
-        from muon_plugin.param_groups.rules import DEFAULT_ALGORITHMS
-
-        return RuleSet(
-            {
-                c: ClassSettings(
-                    algorithm=getattr(self, f"{c}_algorithm") or DEFAULT_ALGORITHMS[c],
-                    lr=getattr(self, f"{c}_lr"),
-                    weight_decay=getattr(self, f"{c}_weight_decay"),
-                    patterns=list(getattr(self, f"{c}_patterns")),
-                )
-                for c in PARAM_CLASSES
-            },
-            option_prefix=_PREFIX,
+        return RuleSet.from_options(
+            {f.name: getattr(self, f.name) for f in fields(self)}, option_prefix=_PREFIX
         )
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+FRACTION_OPTIONS = ("momentum", "adam_beta1", "adam_beta2")
+"""Number options in [0, 1); every other number option must be >= 0."""
+
+
+def option_problem(key: str, value: Any, option_type: Any) -> str | None:
+    """What an option of ``option_type`` must be when ``value`` is not that; else None."""
+    if get_origin(option_type) in (Union, types.UnionType):  # optional: None means "unset"
+        if value is None:
+            return None
+        option_type = next(t for t in get_args(option_type) if t is not type(None))
+    if get_origin(option_type) is Literal:
+        allowed = get_args(option_type)
+        return None if value in allowed else "one of " + ", ".join(map(repr, allowed))
+    if get_origin(option_type) is list:
+        return None if isinstance(value, (list, tuple)) else "a list of strings"
+    if option_type is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if option_type is str:
+        return None if isinstance(value, str) else "a string"
+    if option_type is int:
+        ok = is_number(value) and isinstance(value, int) and value >= 1
+        return None if ok else "a positive integer"
+    if key in FRACTION_OPTIONS:
+        return None if is_number(value) and 0.0 <= value < 1.0 else "a number in [0, 1)"
+    return None if is_number(value) and value >= 0 else "a non-negative number"
 
 
 JOB_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
@@ -303,20 +296,15 @@ def validate_job_optimizer(
     These are the front end's own fields (torchtitan's ``[optimizer]``), which it does not
     check itself; errors name the key as ``section.field`` and the value.
     """
-
-    def bad(key: str, value: Any, expected: str) -> ValueError:
-        return ValueError(f"{section}.{key}: invalid value {value!r}; expected {expected}")
-
     for key, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
-        if not _is_number(value) or not value >= 0 or value == float("inf"):
-            raise bad(key, value, "a finite number >= 0")
+        if not is_number(value) or not value >= 0 or value == float("inf"):
+            raise invalid_value(f"{section}.{key}", value, "a finite number >= 0")
     for key, value in (("beta1", beta1), ("beta2", beta2)):
-        if not _is_number(value) or not 0.0 <= value < 1.0:
-            raise bad(key, value, "a number in [0, 1)")
+        if not is_number(value) or not 0.0 <= value < 1.0:
+            raise invalid_value(f"{section}.{key}", value, "a number in [0, 1)")
     if implementation not in JOB_IMPLEMENTATIONS:
-        raise bad(
-            "implementation", implementation, "one of " + ", ".join(map(repr, JOB_IMPLEMENTATIONS))
-        )
+        expected = "one of " + ", ".join(map(repr, JOB_IMPLEMENTATIONS))
+        raise invalid_value(f"{section}.implementation", implementation, expected)
 
 
 MUON_CONFIG_KEYS = tuple(f.name for f in fields(MuonConfig))

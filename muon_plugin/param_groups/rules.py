@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,22 @@ WRAPPER_PREFIXES: tuple[str, ...] = (
 
 _EMBEDDING_MODULES = ("tok_embeddings", "embed_tokens", "wte", "wpe", "embeddings")
 _OUTPUT_NAMES = ("output.weight", "lm_head.weight")
+
+CLASS_OPTIONS: tuple[str, ...] = tuple(
+    f"{c}_{k}" for c in PARAM_CLASSES for k in ("patterns", "algorithm", "lr", "weight_decay")
+)
+"""The per-class options (``output_algorithm``, ...), as ``[optimizer.muon]`` and
+:func:`muon_param_groups` name them."""
+
+
+def is_number(x: Any) -> bool:
+    """Whether ``x`` is an int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def invalid_value(key: str, value: Any, expected: str) -> ValueError:
+    """The error for an option ``key`` whose ``value`` is not what it must be."""
+    return ValueError(f"{key}: invalid value {value!r}; expected {expected}")
 
 
 def strip_fqn(name: str) -> str:
@@ -160,6 +176,23 @@ class RuleSet:
     def default(cls) -> RuleSet:
         return cls({c: ClassSettings(DEFAULT_ALGORITHMS[c]) for c in PARAM_CLASSES})
 
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any], option_prefix: str = "optimizer.muon."
+    ) -> RuleSet:
+        """The rules of per-class options named as in ``[optimizer.muon]``
+        (:data:`CLASS_OPTIONS`); a missing or None option keeps the class default."""
+        classes = {}
+        for c in PARAM_CLASSES:
+            patterns = options.get(f"{c}_patterns") or []
+            classes[c] = ClassSettings(
+                algorithm=options.get(f"{c}_algorithm") or DEFAULT_ALGORITHMS[c],
+                lr=options.get(f"{c}_lr"),
+                weight_decay=options.get(f"{c}_weight_decay"),
+                patterns=list(patterns) if isinstance(patterns, (list, tuple)) else patterns,
+            )
+        return cls(classes, option_prefix=option_prefix)
+
     def __post_init__(self) -> None:
         unknown = set(self.classes) - set(PARAM_CLASSES)
         if unknown:
@@ -169,20 +202,22 @@ class RuleSet:
         for c in PARAM_CLASSES:
             self.classes.setdefault(c, ClassSettings(DEFAULT_ALGORITHMS[c]))
         for c, s in self.classes.items():
-            if s.algorithm not in ALGORITHMS:
-                raise ValueError(
-                    f"{self.option_prefix}{c}_algorithm: {s.algorithm!r} is not one of {ALGORITHMS}"
-                )
-            if not isinstance(s.patterns, (list, tuple)):
-                raise ValueError(
-                    f"{self.option_prefix}{c}_patterns must be a list of strings, "
-                    f"got {s.patterns!r}"
-                )
-            for p in s.patterns:
-                try:
-                    Pattern(p)
-                except ValueError as e:
-                    raise ValueError(f"{self.option_prefix}{c}_patterns: {e}") from None
+            self._check(c, s)
+
+    def _check(self, c: str, s: ClassSettings) -> None:
+        """Raise ValueError naming ``<prefix><c>_algorithm`` or ``_patterns`` when invalid."""
+        if s.algorithm not in ALGORITHMS:
+            expected = "one of " + ", ".join(map(repr, ALGORITHMS))
+            raise invalid_value(f"{self.option_prefix}{c}_algorithm", s.algorithm, expected)
+        if not isinstance(s.patterns, (list, tuple)):
+            raise invalid_value(
+                f"{self.option_prefix}{c}_patterns", s.patterns, "a list of strings"
+            )
+        for p in s.patterns:
+            try:
+                Pattern(p)
+            except ValueError as e:
+                raise ValueError(f"{self.option_prefix}{c}_patterns: {e}") from None
 
 
 @dataclass
@@ -306,12 +341,6 @@ def build_param_groups(
     return groups, group_classes
 
 
-CLASS_OPTIONS: tuple[str, ...] = tuple(
-    f"{c}_{k}" for c in PARAM_CLASSES for k in ("patterns", "algorithm", "lr", "weight_decay")
-)
-"""The per-class options :func:`muon_param_groups` accepts (``output_algorithm``, ...)."""
-
-
 def muon_param_groups(
     model: Any,
     *,
@@ -339,77 +368,13 @@ def muon_param_groups(
             "<class>_patterns, <class>_algorithm, <class>_lr, <class>_weight_decay for class "
             f"in {PARAM_CLASSES}"
         )
-    for key in ("lr", "weight_decay"):
-        value = {"lr": lr, "weight_decay": weight_decay}[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    for key, value in (("lr", lr), ("weight_decay", weight_decay)):
+        if not is_number(value) or not value >= 0:
             raise ValueError(f"muon_param_groups: {key} must be a number >= 0, got {value!r}")
-    rules = RuleSet(
-        {
-            c: ClassSettings(
-                algorithm=options.get(f"{c}_algorithm") or DEFAULT_ALGORITHMS[c],
-                lr=options.get(f"{c}_lr"),
-                weight_decay=options.get(f"{c}_weight_decay"),
-                patterns=list(options.get(f"{c}_patterns") or []),
-            )
-            for c in PARAM_CLASSES
-        },
-        option_prefix="",
-    )
+    rules = RuleSet.from_options(options, option_prefix="")
     if hasattr(model, "named_parameters"):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     else:
         named = list(model)
     groups, _ = build_param_groups(named, rules, lr=lr, weight_decay=weight_decay)
     return groups
-
-
-def numel(p: Any) -> int:
-    """Global number of elements (DTensor-aware: ``numel()`` of a DTensor is global)."""
-    return int(p.numel())
-
-
-def muon_lr_range(group: Mapping[str, Any]) -> tuple[float, float] | None:
-    """The smallest and largest learning rate a Muon group applies after ``lr_adjust`` (its
-    ``lr`` times each matrix's shape factor); ``None`` for Adam(W) groups."""
-    if group.get("algorithm", "muon") != "muon" or not group["params"]:
-        return None
-    from muon_plugin.orthogonalize import MatrixSpec, lr_shape_factor
-
-    spec = MatrixSpec(flatten=bool(group.get("flatten", False)))
-    rule = group.get("lr_adjust", "keller")
-    factors = [
-        lr_shape_factor(*spec.matrix_view(tuple(p.shape))[1:], rule) for p in group["params"]
-    ]
-    return group["lr"] * min(factors), group["lr"] * max(factors)
-
-
-def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[str]) -> str:
-    """A plain-text table: class, algorithm, count, #parameters, lr, the lr Muon applies
-    after ``lr_adjust`` (a range over the group's matrix shapes), weight decay."""
-    header = ("class", "algorithm", "count", "#params", "lr", "muon lr", "weight decay")
-    rows = [header]
-    total_n, total_p = 0, 0
-    for g, c in zip(groups, classes, strict=True):
-        n = len(g["params"])
-        p = sum(numel(t) for t in g["params"])
-        total_n += n
-        total_p += p
-        span = muon_lr_range(g)
-        if span is None:
-            effective = "-"
-        elif f"{span[0]:.3g}" == f"{span[1]:.3g}":
-            effective = f"{span[0]:.3g}"
-        else:
-            effective = f"{span[0]:.3g}-{span[1]:.3g}"
-        rows.append(
-            (c, g["algorithm"], str(n), f"{p:,}", f"{g['lr']:.3g}", effective, f"{g['wd']:.3g}")
-        )
-    rows.append(("total", "", str(total_n), f"{total_p:,}", "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = []
-    for i, r in enumerate(rows):
-        cells = [r[j].ljust(widths[j]) if j < 2 else r[j].rjust(widths[j]) for j in range(len(r))]
-        lines.append("  ".join(cells).rstrip())
-        if i == 0 or i == len(rows) - 2:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -65,7 +65,9 @@ class MuonOptimizersContainer(OptimizersContainer):
     :func:`muon_plugin.param_groups.builder.build_part_optimizers`.
 
     Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
-    each param group), ``rules`` (the :class:`RuleSet` used).
+    each param group), ``rules`` (the :class:`RuleSet` used), ``built`` (what the build
+    returned), ``changes_on_load`` (the group settings the last ``load_state_dict`` replaced by
+    the job's, as logged).
     """
 
     optimizer_name = "muon"
@@ -79,6 +81,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.group_classes = built.group_classes
         self.rules = built.rules
         self.built = built
+        self.changes_on_load: list[str] = []
         self._validate_length(len(self.model_parts))
         self._post_init(built.params, built.kwargs)
 
@@ -146,7 +149,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         return format_plan_report(self.optimizers)
 
 
-def _check_supported(optimizer_config: Any, parallel_dims: Any, ft_manager: Any) -> None:
+def _check_supported(optimizer_config: Any, ft_manager: Any) -> None:
     if getattr(optimizer_config, "early_step_in_backward", False):
         raise NotImplementedError(
             "optimizer.name = 'muon' does not support optimizer.early_step_in_backward = true: "
@@ -168,7 +171,7 @@ def build_muon_optimizers(
     ft_manager: Any = None,
 ) -> MuonOptimizersContainer:
     """torchtitan ``build_optimizers_fn`` for ``optimizer.name = "muon"``."""
-    _check_supported(optimizer_config, parallel_dims, ft_manager)
+    _check_supported(optimizer_config, ft_manager)
     validate_job_optimizer(
         lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay,

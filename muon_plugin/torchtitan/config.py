@@ -39,9 +39,8 @@ __all__ = ["JobConfig", "MUON_CONFIG_KEYS", "MuonConfig", "Optimizer"]
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
-    """Optimizer to use: 'AdamW', 'Adam' (torchtitan) or 'muon' (muon_plugin: Muon on
-    matrices and AdamW on the rest, configured under [optimizer.muon])."""
+    """Added to torchtitan's ``[optimizer]``, whose own fields (``name``, its default and
+    choices included) stay as they are."""
 
     muon: MuonConfig = field(default_factory=MuonConfig)
     """Settings of optimizer.name = "muon"."""

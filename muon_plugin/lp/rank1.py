@@ -19,7 +19,8 @@ other way), so every rank holds exactly the slices its local block needs and a D
 reshards them like any DTensor. The power step sums over the sharded dimensions with one
 ``all_reduce`` per mesh dim that splits them (the matrix-vector product over column shards;
 the norm and ``M^T u`` over row shards): two small collectives per parameter and step under
-FSDP. Leading (batch / expert) dims are independent matrices and need none.
+FSDP, or per stack of same-shape parameters when their steps run together. Leading (batch /
+expert) dims are independent matrices and need none.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-U_KEY = "momentum_rank1_u"  # bf16, (*lead, rows)
-W_KEY = "momentum_rank1_w"  # bf16, (*lead, cols)
-FACTOR_KEYS = (U_KEY, W_KEY)
-# Factors of a zero momentum: u = 0 (so u w^T = 0) and w = 1, the power iteration's start vector.
+from muon_plugin.lp.keys import U_KEY, W_KEY
+
 FRESH_FACTORS = {U_KEY: 0.0, W_KEY: 1.0}
+"""Factors of a zero momentum: ``u = 0`` (so ``u w^T = 0``) and ``w = 1``, the power
+iteration's start vector."""
 
 
 def factor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -42,7 +43,7 @@ def factor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     return {U_KEY: (*lead, rows), W_KEY: (*lead, cols)}
 
 
-def factor_placements(p: DTensor, key: str) -> tuple:
+def factor_placements(p: DTensor, key: str) -> tuple[Placement, ...]:
     """Placements of factor ``key`` of DTensor parameter ``p``.
 
     The factor keeps the parameter's sharding of the leading dims and of its own dim (rows for
@@ -51,7 +52,7 @@ def factor_placements(p: DTensor, key: str) -> tuple:
     """
     ndim = p.ndim
     own = ndim - 2 if key == U_KEY else ndim - 1
-    out = []
+    out: list[Placement] = []
     for placement in p.placements:
         dim = getattr(placement, "dim", None)
         if dim is None:
@@ -93,21 +94,38 @@ def _sum_over_shards(t: Tensor, p: Tensor | None, param_dim: int) -> Tensor:
     return t
 
 
+def _each(fn, stacked: bool, *args: Tensor) -> Tensor:
+    """``fn(*args)``; with ``stacked``, ``fn`` on each entry of the leading (stack) dim, results
+    stacked, so each entry rounds exactly as it would alone (a batched product or a long
+    reduction may sum in another order)."""
+    if not stacked:
+        return fn(*args)
+    return torch.stack([fn(*entry) for entry in zip(*args, strict=True)])
+
+
+def _sum_last(t: Tensor) -> Tensor:
+    return t.sum(-1, keepdim=True)
+
+
 @torch.no_grad()
-def power_step(m: Tensor, w_prev: Tensor, p: Tensor | None) -> tuple[Tensor, Tensor]:
+def power_step(
+    m: Tensor, w_prev: Tensor, p: Tensor | None, stacked: bool = False
+) -> tuple[Tensor, Tensor]:
     """One warm-started power-iteration step on the local block ``m`` (fp32) of ``p``'s momentum
     (``p``: the parameter, whose DTensor placements say which dims are sharded; None or a plain
     tensor: nothing is).
 
     Returns the local slices of ``u`` (unit norm per matrix) and ``w = M^T u`` in fp32. A matrix
     whose ``M w_prev`` is zero (a zero momentum, or an all-zero ``w_prev``) gets ``u = 0`` and
-    ``w = 1``, so its next step starts the iteration afresh.
+    ``w = 1``, so its next step starts the iteration afresh. With ``stacked``, ``m`` and
+    ``w_prev`` carry a leading dim of same-shape parameters laid out like ``p``: each gets the
+    result it would get alone, and the collectives run once for the whole stack.
     """
-    y = (m @ w_prev.float().unsqueeze(-1)).squeeze(-1)  # (*lead, rows)
+    y = _each(torch.matmul, stacked, m, w_prev.float().unsqueeze(-1)).squeeze(-1)  # (*lead, rows)
     _sum_over_shards(y, p, -1)
-    norm = _sum_over_shards(y.square().sum(-1, keepdim=True), p, -2).sqrt_()
+    norm = _sum_over_shards(_each(_sum_last, stacked, y.square()), p, -2).sqrt_()
     nonzero = norm > 0
     u = torch.where(nonzero, y / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    w = (u.unsqueeze(-2) @ m).squeeze(-2)  # (*lead, cols)
+    w = _each(torch.matmul, stacked, u.unsqueeze(-2), m).squeeze(-2)  # (*lead, cols)
     _sum_over_shards(w, p, -2)
     return u, torch.where(nonzero, w, 1.0)

@@ -1,6 +1,8 @@
 """``MuonLP``: ``MuonForeach`` with Muon momentum stored in bf16, int8, int4 or fp8.
 
-See :mod:`muon_plugin.lp_state` for the storage formats and why they survive resharding.
+The driver: it picks each Muon parameter's format (:mod:`muon_plugin.lp.formats`), creates its
+state, hands the momenta to the functional core as :data:`~muon_plugin.lp.momentum.QUANTIZED`,
+and converts loaded momentum (:mod:`muon_plugin.lp.checkpoint`).
 """
 
 from __future__ import annotations
@@ -11,20 +13,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_plugin.lp_state import (
+from muon_plugin.lp.checkpoint import restore
+from muon_plugin.lp.codec import MomentumCodec
+from muon_plugin.lp.formats import (
+    CODECS,
     STATE_KEYS,
-    StateFormat,
     choose_format,
-    like_param,
-    local,
     require_torchao,
-    restore,
     state_nbytes,
     validate_state_dtype,
 )
-from muon_plugin.optimizer import MuonForeach, describe
+from muon_plugin.lp.layout import like_param
+from muon_plugin.lp.momentum import QUANTIZED, QuantizedMomentum
+from muon_plugin.optimizer import MuonForeach
+from muon_plugin.parameters import describe, local
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("muon_plugin.lp")
 
 
 class MuonLP(MuonForeach):
@@ -36,10 +40,10 @@ class MuonLP(MuonForeach):
         state_dtype: ``"int8"`` (default), ``"int4"``, ``"fp8"`` (e4m3) or ``"bf16"``. int8 and
             fp8 use torchao's low-bit optimizer-state tensor types
             (``pip install 'muon_plugin[lp]'``); fp8 also keeps a bf16 rank-1 part ``u w^T``
-            of each matrix's momentum (:mod:`muon_plugin.lp_rank1`), so its codes store only
+            of each matrix's momentum (:mod:`muon_plugin.lp.rank1`), so its codes store only
             the smaller residual; int4 (a uniform mid-rise 16-level map, an
             8-bit log-scale code per block relative to a bf16 base per 16 blocks, see
-            :mod:`muon_plugin.lp_state`) and ``"bf16"`` need no torchao.
+            :mod:`muon_plugin.lp.int4`) and ``"bf16"`` need no torchao.
         block_size: elements per quantization scale (default: 256 for int8 / fp8, torchao's,
             and 16 for int4). Blocks (and int4's super-blocks of 16 blocks) run along the last
             dim and never cross a row; ignored for bf16.
@@ -48,12 +52,14 @@ class MuonLP(MuonForeach):
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
     place, and hand the fp32 direction to the same orthogonalization plan as ``MuonForeach``.
     The first step is therefore identical to fp32-state Muon; later steps differ only through
-    the quantization error of the stored momentum. fp8 adds one power-iteration step per
+    the quantization error of the stored momentum. Parameters of one group with the same format
+    and local shape are updated as one stack (:mod:`muon_plugin.lp.momentum`: the same results
+    as one at a time, with fewer kernels). fp8 adds one power-iteration step per
     matrix and step for its rank-1 part (two matrix-vector products; on a sharded parameter
-    two small all-reduces over the mesh dims that shard it). ``compile=True`` also compiles
-    this update (one fused graph per parameter size, two for fp8, whose power step runs
-    between them); use it for speed, since eager requantization runs torchao's ops as tens of
-    small kernels per parameter.
+    two small all-reduces over the mesh dims that shard it, once per stack). ``compile=True``
+    also compiles this update (one fused graph per stack size, two for fp8, whose power step
+    runs between them); use it for speed, since eager requantization runs torchao's ops as
+    tens of small kernels per stack.
 
     Memory per Muon parameter element: int8 1 byte + 4 bytes per block (1.016 at 256), fp8 the
     same plus 2 bytes per row and per column (1.018 for 1024 x 4096), int4 0.5 + 1/16 + 2/256 =
@@ -72,14 +78,9 @@ class MuonLP(MuonForeach):
     DCP (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, flattened or not) work as
     for any optimizer, and loading on another layout (world size, FSDP vs. TP on the leading
     dims) moves whole blocks with their scales. ``load_state_dict`` also converts momentum saved
-    in another format (another ``state_dtype`` or block size, the fp32 ``momentum_buffer`` of
-    ``Muon`` / ``MuonForeach``, the int4 formats of earlier versions: Lloyd-Max codes with
-    fp32 ``momentum_scales``, or mid-rise codes with a bf16 absmax a block,
-    ``momentum_scales_bf16``, or the fp8 format of earlier versions, without the rank-1 part)
-    by dequantizing and requantizing it. Through DCP the checkpoint must hold the same format,
-    since DCP loads into this optimizer's own state tensors (an earlier int4 or fp8 checkpoint
-    fails there with a missing ``momentum_scale_codes`` / ``momentum_rank1_u`` key: load it
-    with ``load_state_dict`` instead).
+    in another format (another ``state_dtype`` or block size, or the fp32 ``momentum_buffer`` of
+    ``Muon`` / ``MuonForeach``) by dequantizing and requantizing it. Through DCP the checkpoint
+    must hold the same format, since DCP loads into this optimizer's own state tensors.
 
     AdamW / Adam groups keep full-precision state (fp32 ``exp_avg`` / ``exp_avg_sq`` and torch's
     fused or foreach kernels, exactly as in ``MuonForeach``): those groups hold embeddings,
@@ -98,9 +99,9 @@ class MuonLP(MuonForeach):
     ) -> None:
         self.state_dtype = state_dtype
         self.block_size = validate_state_dtype(state_dtype, block_size)
-        if state_dtype in ("int8", "fp8"):
+        if CODECS[state_dtype].needs_torchao:
             require_torchao(state_dtype)
-        self._formats: dict[Tensor, StateFormat] = {}
+        self._formats: dict[Tensor, MomentumCodec] = {}
         self._fallbacks: list[str] = []
         self._constructed = False
         super().__init__(params, *args, **kwargs)
@@ -115,8 +116,8 @@ class MuonLP(MuonForeach):
         if group["algorithm"] != "muon":
             return
         for i, p in enumerate(group["params"]):
-            fmt, why = choose_format(p, self.state_dtype, self.block_size)
-            self._formats[p] = fmt
+            codec, why = choose_format(p, self.state_dtype, self.block_size)
+            self._formats[p] = codec
             if why is not None:
                 self._fallbacks.append(f"{describe(group, i, p)}: {why}")
         if self._constructed:
@@ -134,18 +135,19 @@ class MuonLP(MuonForeach):
             )
         self._fallbacks = []
 
-    def state_format(self, p: Tensor) -> StateFormat:
-        """How the momentum of Muon parameter ``p`` is stored."""
-        fmt = self._formats.get(p)
-        if fmt is None:
+    def state_format(self, p: Tensor) -> MomentumCodec:
+        """How the momentum of Muon parameter ``p`` is stored (its codec)."""
+        codec = self._formats.get(p)
+        if codec is None:
             raise KeyError("not a Muon parameter of this optimizer")
-        return fmt
+        return codec
 
     # ------------------------------------------------------------------ copies
 
     config_attributes = (*MuonForeach.config_attributes, "state_dtype", "block_size")
 
     def _rebuild_caches(self) -> None:
+        super()._rebuild_caches()
         self._formats = {}
         self._fallbacks = []
         for group in self.param_groups:
@@ -156,41 +158,30 @@ class MuonLP(MuonForeach):
 
     # ------------------------------------------------------------------ step
 
-    def _init_momentum(self, p: Tensor) -> None:
-        fmt = self.state_format(p)
-        state = self.state[p]
-        if any(k not in state for k in fmt.keys):
-            state.update(fmt.zeros(p))
+    momentum_storage = QUANTIZED
 
-    def _momentum_directions(self, group: dict[str, Any], ps: list[Tensor]) -> list[Tensor]:
-        directions = []
+    def _momentum_states(self, group: dict[str, Any], ps: list[Tensor]) -> list[Any]:
+        """Each parameter's :class:`QuantizedMomentum` (its state created zero if missing)."""
+        momenta = []
         for p in ps:
-            fmt = self.state_format(p)
+            codec = self.state_format(p)
             state = self.state[p]
-            if any(k not in state for k in fmt.keys):
-                state.update(fmt.zeros(p))
-            directions.append(
-                fmt.update(
-                    {k: local(state[k]) for k in fmt.keys},
-                    local(p.grad),
-                    group["momentum"],
-                    group["nesterov"],
-                    compiled=group["compile"],
-                    param=p,
-                )
-            )
-        return directions
+            if any(k not in state for k in codec.keys):
+                state.update(codec.zeros(p))
+            local_state = {k: local(state[k]) for k in codec.keys}
+            momenta.append(QuantizedMomentum(codec, local_state, p, group["compile"]))
+        return momenta
 
     # ------------------------------------------------------------------ inspection
 
     @torch.no_grad()
     def momentum(self, p: Tensor) -> Tensor | None:
         """The dequantized fp32 momentum of ``p`` (a DTensor like ``p``), or None before a step."""
-        fmt = self.state_format(p)
+        codec = self.state_format(p)
         state = self.state.get(p, {})
-        if any(k not in state for k in fmt.keys):
+        if any(k not in state for k in codec.keys):
             return None
-        dense = fmt.read({k: local(state[k]) for k in fmt.keys}, tuple(local(p).shape))
+        dense = codec.decode({k: local(state[k]) for k in codec.keys}, tuple(local(p).shape))
         return like_param(p, dense, tuple(p.shape))
 
     def state_bytes(self) -> tuple[int, int]:

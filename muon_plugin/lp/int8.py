@@ -1,0 +1,93 @@
+"""int8 momentum: torchao's signed 8-bit dynamic-tree codes with an fp32 absmax per block.
+
+``momentum_codes`` (uint8, the parameter's shape) and ``momentum_scales`` (fp32, one a block:
+``(*shape[:-1], shape[-1] // block_size)``): 1 + 4 / 256 = 1.016 bytes per element at the
+default block of 256 (torchao's). The math is torchao's low-bit optimizer-state type: each step
+wraps the local codes and scales, no copy, in ``OptimState8bit``, dequantizes with its
+``dequantize()``, updates the momentum in fp32 and requantizes in place with its ``copy_``
+(blockwise absmax scaling, the signed dynamic-tree map). Needs torchao (the ``lp`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from muon_plugin.lp.codec import Layout, MomentumCodec
+from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
+from muon_plugin.lp.runtime import run, table
+
+
+def _signed_qmap() -> Tensor:
+    # torchao builds its signed 8-bit code map in zeros(); reuse it rather than restating it.
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    return OptimState8bit.zeros((256,), signed=True, block_size=256).qmap
+
+
+def quantized_update(state: Any, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Momentum step on a torchao optimizer-state tensor (dequantize, update, requantize)."""
+    g = grad.float()
+    buf = state.dequantize().lerp_(g, 1.0 - momentum)
+    state.copy_(buf)
+    return g.lerp(buf, momentum) if nesterov else buf
+
+
+def blocked_layout(shape: tuple[int, ...], block_size: int, codes: torch.dtype) -> Layout:
+    """Codes shaped like the parameter and an fp32 scale per block (int8, fp8)."""
+    *lead, cols = shape
+    return {
+        CODES_KEY: (tuple(shape), codes),
+        SCALES_KEY: ((*lead, cols // block_size), torch.float32),
+    }
+
+
+@dataclass(frozen=True)
+class Int8Codec(MomentumCodec):
+    """``momentum_codes`` (uint8) + ``momentum_scales`` (fp32 a block), through torchao."""
+
+    kind: ClassVar[str] = "int8"
+    keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALES_KEY)
+    scales_key: ClassVar[str | None] = SCALES_KEY
+    default_block_size: ClassVar[int] = 256
+    needs_torchao: ClassVar[bool] = True
+
+    def layout(self, shape: tuple[int, ...]) -> Layout:
+        return blocked_layout(shape, self.block_size, torch.uint8)
+
+    def view(self, state: Mapping[str, Tensor]) -> Any:
+        """The local state as torchao's ``OptimState8bit`` (1-D, sharing storage)."""
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        codes, scales = state[CODES_KEY].view(-1), state[SCALES_KEY].view(-1)
+        return OptimState8bit(codes, scales, table("int8", _signed_qmap, codes.device), True)
+
+    def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
+        if state[CODES_KEY].numel() == 0:
+            return torch.zeros(shape, dtype=torch.float32, device=state[CODES_KEY].device)
+        return self.view(state).dequantize().view(shape)
+
+    def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
+        if dense.numel():
+            self.view(state).copy_(dense.reshape(-1))
+
+    def update_(
+        self,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        momentum: float,
+        nesterov: bool,
+        compiled: bool = False,
+        param: Tensor | None = None,
+        stacked: bool = False,
+    ) -> Tensor:
+        if grad.numel() == 0:
+            return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        view = self.view(state)
+        return run(quantized_update, compiled, view, grad.reshape(-1), momentum, nesterov).view(
+            grad.shape
+        )
