@@ -3,18 +3,21 @@
 # Idempotent: a re-run only checks a stamp, unless pyproject.toml or this script changed.
 #
 # torch: ./.venv pins torch 2.13.0; ./.venv-titan03 pins 2.14.1 (torchtitan 0.3 is released
-# against torch 2.14: its pipeline schedules call 2.14's API). On a machine without an NVIDIA GPU,
-# the CPU build torch==<pin>+cpu from PyTorch's CPU wheel index when that index answers within
-# $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else torch==<pin> from PyPI, which on Linux is the
-# CUDA build (a one-line note gives its download size first). With a GPU: a system torch if there
-# is one, else torch>=2.11 (>=2.14 for torchtitan 0.3) from PyPI.
+# against torch 2.14: its pipeline schedules call 2.14's API); ./.venv-torchtune pins 2.13.0
+# (torchtune 0.6.1 with torchao 0.15: torchtune does not import with ./.venv's torchao 0.18).
+# On a machine without an NVIDIA GPU, the CPU build torch==<pin>+cpu from PyTorch's CPU wheel
+# index when that index answers within $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else
+# torch==<pin> from PyPI, which on Linux is the CUDA build (a one-line note gives its download
+# size first). With a GPU: a system torch if there is one, else torch>=2.11 (>=2.14 for
+# torchtitan 0.3) from PyPI.
 #
-# Environment: MUON_PLUGIN_VENV (default ./.venv), BASE_PYTHON (default python3, >= 3.11),
+# Environment: MUON_PLUGIN_VENV (default ./.venv), MUON_PLUGIN_VENV_TITAN03 (./.venv-titan03),
+# MUON_PLUGIN_VENV_TORCHTUNE (./.venv-torchtune), BASE_PYTHON (default python3, >= 3.11),
 # MUON_PLUGIN_TORCH_INDEX (default https://download.pytorch.org/whl/cpu).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base_python="${BASE_PYTHON:-python3}"
-torch_pin="2.13.0"   # ./.venv; --titan03 sets 2.14.1
+torch_pin="2.13.0"   # ./.venv and --torchtune; --titan03 sets 2.14.1
 torch_min="2.11"
 cpu_index="${MUON_PLUGIN_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 index_timeout="${MUON_PLUGIN_INDEX_TIMEOUT:-5}"
@@ -111,7 +114,8 @@ print(", ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-depen
 }
 
 # One environment per call: ./.venv (default: torchtitan 0.2.2 and everything the tests need),
-# --titan03 ./.venv-titan03 (torchtitan 0.3.0 and its tests).
+# --titan03 ./.venv-titan03 (torchtitan 0.3.0 and its tests), --torchtune ./.venv-torchtune
+# (torchtune 0.6.1 and its tests).
 case "${1:-}" in
     "")
         setup_venv "${MUON_PLUGIN_VENV:-$root/.venv}" \
@@ -122,7 +126,11 @@ case "${1:-}" in
         setup_venv "${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03}" \
             "muon_plugin (editable) with torchtitan 0.3: $(extra_list torchtitan03)" \
             -e "$root[torchtitan03]" ;;
+    --torchtune)
+        setup_venv "${MUON_PLUGIN_VENV_TORCHTUNE:-$root/.venv-torchtune}" \
+            "muon_plugin (editable) with torchtune 0.6.1: $(extra_list torchtune)" \
+            -e "$root[torchtune]" ;;
     *)
-        echo "[setup_env] unknown option $1 (expected none or --titan03)" >&2
+        echo "[setup_env] unknown option $1 (expected none, --titan03 or --torchtune)" >&2
         exit 2 ;;
 esac

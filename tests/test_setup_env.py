@@ -65,6 +65,7 @@ def run_setup(tmp_path: Path, index: str, *args: str) -> tuple[str, list[str]]:
         PATH=str(bin_dir),
         MUON_PLUGIN_VENV=str(venv),
         MUON_PLUGIN_VENV_TITAN03=str(venv),
+        MUON_PLUGIN_VENV_TORCHTUNE=str(venv),
         MUON_PLUGIN_TORCH_INDEX=index,
         MUON_PLUGIN_INDEX_TIMEOUT="3",
         BASE_PYTHON=sys.executable,
@@ -163,3 +164,12 @@ def test_a_venv_with_another_torch_release_gets_the_pinned_one(tmp_path, cpu_ind
     out, calls = run_setup(tmp_path, cpu_index, "--titan03")
     assert "torch: 2.13.0+cpu installed, this environment pins 2.14.1" in out, out
     assert any(c.endswith("torch==2.14.1+cpu") for c in pip_installs(calls)), calls
+
+
+def test_torchtune_environment_pins_torch_2_13(tmp_path, cpu_index):
+    """torchtune 0.6.1's environment: torch 2.13.0 and the torchtune extra (torchao 0.15)."""
+    out, calls = run_setup(tmp_path, cpu_index, "--torchtune")
+    installs = pip_installs(calls)
+    assert installs[0].endswith(f"--extra-index-url {cpu_index} torch==2.13.0+cpu"), installs
+    assert installs[1].endswith(f"-e {ROOT}[torchtune]"), installs
+    assert any("torchtune==0.6.1" in line for line in out.splitlines()), out

@@ -1,0 +1,123 @@
+"""The torchtune optimizer component: ``_component_: muon_plugin.torchtune.muon``.
+
+``muon(named_params, **section)`` builds ONE optimizer (Muon and AdamW groups) from the
+parameter classes of :mod:`muon_plugin.param_groups.rules`, exactly as the torchtitan plugins do:
+matrices and expert stacks on Muon; embeddings, the output head, routers, norms, biases and other
+vectors on AdamW, each class with its own lr, weight decay and algorithm and the user's extra
+patterns. The classes are told apart by parameter names, so the component needs ``(name,
+parameter)`` pairs: torchtune's own recipes pass ``model.parameters()`` and are refused with an
+error naming the recipe that passes names (:mod:`muon_plugin.torchtune.full_finetune`).
+
+Rank 0 logs the same build summary and rule table as the torchtitan plugins and, after the first
+step, the distributed orthogonalization plan (``log_plan``). FSDP2 / TP parameters (DTensors)
+need nothing else: the optimizer plans their orthogonalization itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torchtune import utils
+
+from muon_plugin.param_groups.builder import (
+    PartOptimizers,
+    format_build_summary,
+    format_plan_report,
+    is_rank0,
+    log_plan_after_first_step,
+    low_precision_kwargs,
+    optimizer_kwargs,
+    resolve_optimizer_cls,
+    with_config_key,
+)
+from muon_plugin.param_groups.rules import build_param_groups, strip_fqn
+from muon_plugin.torchtune.options import (
+    SECTION,
+    OptimizerSection,
+    TorchtuneConfigError,
+    parse_optimizer_section,
+    yaml_keys,
+)
+
+__all__ = ["build_muon", "muon", "named_parameters"]
+
+log = utils.get_logger()
+
+RECIPE = "muon_plugin/torchtune/full_finetune.py"
+
+
+def named_parameters(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """``params`` as ``(name, tensor)`` pairs, names without wrapper components.
+
+    Raises :class:`TorchtuneConfigError` when an entry has no name (a plain tensor or a param
+    group dict), the case of torchtune's stock recipes, which pass ``model.parameters()``.
+    """
+    named: list[tuple[str, torch.Tensor]] = []
+    for item in params:
+        if (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            named.append((strip_fqn(item[0]), item[1]))
+            continue
+        what = "a parameter without a name" if isinstance(item, torch.Tensor) else repr(item)[:80]
+        raise TorchtuneConfigError(
+            f"{SECTION}._component_: muon_plugin.torchtune.muon needs (name, parameter) pairs to "
+            f"tell matrices from embeddings, norms and the output head, got {what}: torchtune's "
+            f"stock recipes pass model.parameters(); run the recipe {RECIPE} (tune run {RECIPE} "
+            "--config ...), which passes model.named_parameters()"
+        )
+    if not named:
+        raise TorchtuneConfigError(f"{SECTION}: muon_plugin.torchtune.muon got no parameters")
+    return named
+
+
+def build_muon(named: list[tuple[str, torch.Tensor]], section: OptimizerSection) -> PartOptimizers:
+    """The optimizer for ``named`` by the class rules and options of ``section``.
+
+    Errors (a pattern that matches nothing, a 1-D class set to Muon, a value the optimizer
+    refuses) raise :class:`TorchtuneConfigError` naming ``optimizer.<key>``.
+    """
+    cfg = section.muon
+    rules = dataclasses.replace(cfg.rules(), option_prefix=f"{SECTION}.")
+    optimizer_cls = resolve_optimizer_cls(cfg)
+    kwargs = optimizer_kwargs(section.base, cfg)
+    kwargs.update(low_precision_kwargs(cfg))
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    try:  # the rule engine names this section's keys itself (rules.option_prefix)
+        groups, classes = build_param_groups(
+            trainable, rules, lr=kwargs["lr"], weight_decay=kwargs["wd"]
+        )
+    except ValueError as e:
+        raise TorchtuneConfigError(str(e)) from None
+    try:  # the optimizer core names its own arguments: map them to the section's keys
+        optimizer = optimizer_cls(groups, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise TorchtuneConfigError(yaml_keys(str(with_config_key(e)))) from None
+    params = [p for _, p in trainable]
+    return PartOptimizers([optimizer], [classes], params, optimizer_cls, kwargs, rules)
+
+
+def muon(params: Iterable[Any], **section: Any) -> Optimizer:
+    """Build the Muon optimizer from ``(name, parameter)`` pairs and the ``optimizer:`` section.
+
+    ``section``: the YAML keys (see :mod:`muon_plugin.torchtune.options`). Logs the build
+    summary with the rule table on rank 0 and, after the first step, the orthogonalization plan
+    (both off with ``log_plan: false``).
+    """
+    parsed = parse_optimizer_section(section)
+    built = build_muon(named_parameters(params), parsed)
+    optimizer = built.optimizers[0]
+    if parsed.muon.log_plan:
+        if is_rank0():
+            log.info(format_build_summary(built, parsed.muon))
+        log_plan_after_first_step(
+            optimizer.register_step_post_hook, lambda: format_plan_report([optimizer]), log
+        )
+    return optimizer
