@@ -514,24 +514,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = args.out / "curves.json"
-    data = json.loads(store.read_text()) if store.exists() else {"runs": []}
+def wall_estimate(records: list[dict], batch: list[Run]) -> float:
+    """Expected seconds of ``batch``: the median wall time of finished runs of its kind (speed
+    runs or training runs), else of any finished run; 0 before the first."""
+    speed = batch[0].speed is not None
+    done = [r for r in records if r["status"] == "ok"]
+    alike = [r["wall_s"] for r in done if (r.get("speed") is not None) == speed]
+    walls = alike or [r["wall_s"] for r in done]
+    return statistics.median(walls) if walls else 0.0
+
+
+def run_plan(args, data: dict, store: Path) -> list[dict]:
+    """Launch the plan's runs, batch after batch, until done, out of budget or a run fails;
+    every finished batch is saved to ``store`` at once."""
     records: list[dict] = data["runs"]
     start = time.monotonic()
-    while not args.report_only:
-        todo = plan(args, records)
-        if not todo:
-            break
+    while todo := plan(args, records):
         batch = next_batch(todo, args.parallel)
-        speed = batch[0].speed is not None
-        walls = [r["wall_s"] for r in records if r["status"] == "ok"]
-        alike = [r["wall_s"] for r in records if r["status"] == "ok" and
-                 (r.get("speed") is not None) == speed]  # fmt: skip
-        estimate = statistics.median(alike or walls) if walls else 0.0
-        if time.monotonic() - start + estimate > args.budget_s:
+        if time.monotonic() - start + wall_estimate(records, batch) > args.budget_s:
             print(f"[bench_convergence] budget reached; {len(todo)} runs left", flush=True)
             break
         n = len(batch)
@@ -539,15 +539,45 @@ def main(argv: list[str] | None = None) -> int:
             finished = list(pool.map(train_one, batch, [args] * n, [n] * n))
         names = {r["name"] for r in finished}
         records = [r for r in records if r["name"] not in names] + finished
-        data["runs"] = records
-        data["machine"] = machine_text(args.nproc)
-        data["date"] = datetime.date.today().isoformat()
+        data.update(runs=records, machine=machine_text(args.nproc),
+                    date=datetime.date.today().isoformat())  # fmt: skip
         store.write_text(json.dumps(data))
         failed = [r for r in finished if r["status"] != "ok"]
         if failed:
             print(f"[bench_convergence] {failed[0]['name']} {failed[0]['status']}; stopping",
                   flush=True)  # fmt: skip
             break
+    return records
+
+
+def verdicts(head: dict) -> list[str]:
+    """The headline comparisons against the benchmark's targets, one line each."""
+    out = []
+    muon = head.get("muon") or {}
+    sched = muon.get("schedule")
+    if sched and sched["ratio"] is not None:
+        bound = "at most " if sched["upper_bound"] else ""
+        out.append(f"Muon's shortest schedule reaching AdamW's best validation loss: "
+                   f"{bound}{sched['steps']:.0f} steps, {bound}{sched['ratio']:.2f} of "
+                   "AdamW's (target <= 0.6)")  # fmt: skip
+    elif sched:
+        out.append("no shorter Muon schedule reached AdamW's best validation loss")
+    if muon.get("steps_ratio") is not None:
+        out.append(f"a full-length Muon run passes AdamW's best validation loss at "
+                   f"{muon['steps_ratio']:.2f} of AdamW's steps (mid-schedule)")  # fmt: skip
+    if muon.get("tps_ratio") is not None:
+        out.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's, from "
+                   f"{muon['tps_from']} (target >= 0.97)")  # fmt: skip
+    for opt, row in head.items():
+        if "val_gap_vs_muon" in row:
+            out.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "
+                       "fp32-state Muon (target within 1%)")  # fmt: skip
+    return out
+
+
+def report(args, data: dict, records: list[dict]) -> None:
+    """Print and write the summary (``OUT/summary.md``, ``summary.json``), the PNG, and with
+    ``--write-results`` RESULTS.md's section."""
     table, head = summarize(records)
     meta = (
         f"{data.get('date', '?')}, {data.get('machine', '?')}; configs/llama3_convergence.toml"
@@ -556,27 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     png = args.out / "convergence.png"
     plotted = plot(records, png)
-    verdicts = []
-    muon = head.get("muon")
-    sched = (muon or {}).get("schedule")
-    if sched and sched["ratio"] is not None:
-        bound = "at most " if sched["upper_bound"] else ""
-        verdicts.append(f"Muon's shortest schedule reaching AdamW's best validation loss: "
-                        f"{bound}{sched['steps']:.0f} steps, {bound}{sched['ratio']:.2f} of "
-                        "AdamW's (target <= 0.6)")  # fmt: skip
-    elif sched:
-        verdicts.append("no shorter Muon schedule reached AdamW's best validation loss")
-    if muon and muon["steps_ratio"] is not None:
-        verdicts.append(f"a full-length Muon run passes AdamW's best validation loss at "
-                        f"{muon['steps_ratio']:.2f} of AdamW's steps (mid-schedule)")  # fmt: skip
-    if muon and muon["tps_ratio"] is not None:
-        verdicts.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's, from "
-                        f"{muon['tps_from']} (target >= 0.97)")  # fmt: skip
-    for opt, row in head.items():
-        if "val_gap_vs_muon" in row:
-            verdicts.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "
-                            "fp32-state Muon (target within 1%)")  # fmt: skip
-    text = "\n".join([meta, "", table, "", *(f"- {v}" for v in verdicts)])
+    text = "\n".join([meta, "", table, "", *(f"- {v}" for v in verdicts(head))])
     (args.out / "summary.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "optimizers": head}, indent=1))
     print(text)
@@ -588,8 +598,16 @@ def main(argv: list[str] | None = None) -> int:
         if plotted:
             body += f"\n![train and validation loss]({rel})\n"
         write_section(ROOT / "RESULTS.md", "bench_convergence", body)
-    failed = [r for r in records if r["status"] != "ok"]
-    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "curves.json"
+    data = json.loads(store.read_text()) if store.exists() else {"runs": []}
+    records = data["runs"] if args.report_only else run_plan(args, data, store)
+    report(args, data, records)
+    return 1 if any(r["status"] != "ok" for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -234,6 +234,77 @@ def odd_checks(mod) -> bool:
     return all_ok
 
 
+def time_shapes(args, mod, l2: int, do_bench) -> tuple[list[dict], bool]:
+    """The timing rows of every shape and kind (``X X^T``, and ``A A^T + C`` unless
+    ``--no-epilogue``), printed as they come; True when any check failed."""
+    failed = False
+    rows: list[dict] = []
+    for shape in args.shapes or DEFAULT_SHAPES:
+        m, k = shape[-2:]
+        if m > k:
+            print(f"{fmt_shape(shape)}: skipped (tall, m > k: Muon transposes it first)",
+                  flush=True)  # fmt: skip
+            rows.append({"shape": fmt_shape(shape), "skipped": "tall"})
+            continue
+        for kind in ["gram"] if args.no_epilogue else ["gram", "epilogue"]:
+            row = time_case(kind, shape, mod, l2, do_bench)
+            failed |= not row.get("correct", False)
+            rows.append(row)
+            detail = (
+                f"cublas {row['cublas_ms']:.4f} ms, triton {row['triton_ms']:.4f} ms, "
+                f"err {row['rel_err']:.2e}, ok={row['correct']}"
+                if "error" not in row
+                else f"ERROR {row['error']}"
+            )
+            print(f"  {row['shape']:>14} {kind:>8}: {detail}", flush=True)
+            torch.cuda.empty_cache()
+    return rows, failed
+
+
+def time_case(kind: str, shape: tuple[int, ...], mod, l2: int, do_bench) -> dict:
+    """One row: cuBLAS against the kernel on rotating input sets (an error becomes a row)."""
+    m = shape[-2]
+    try:
+        in_shape = shape if kind == "gram" else (*shape[:-1], m)
+        xs = make_inputs(shape, n_sets(math.prod(in_shape) * 2, l2))
+        if kind == "epilogue":
+            xs = [make_sym(x) for x in xs]
+        return run_case(kind, shape, [(x,) for x in xs], do_bench, mod)
+    except Exception as e:  # keep going: one bad shape should not hide the rest
+        return {"shape": fmt_shape(shape), "kind": kind, "error": repr(e), "correct": False}
+
+
+def print_table(rows: list[dict]) -> None:
+    """The summary table and the best autotune configs."""
+    hdr = (
+        f"{'shape':>14} {'kind':>8} {'cuBLAS ms':>10} {'triton ms':>10} {'speedup':>8} "
+        f"{'graph x':>7} {'cuBLAS TF':>9} {'dispatch':>8} {'right?':>6} {'err':>8} {'sym':>4}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['shape']:>14} {'':>8} skipped ({r['skipped']})")
+        elif "error" in r:
+            print(f"{r['shape']:>14} {r['kind']:>8} ERROR {r['error'][:80]}")
+        else:
+            gx = f"{r['graph_speedup']:.2f}x" if r["graph_speedup"] else "n/a"
+            print(
+                f"{r['shape']:>14} {r['kind']:>8} {r['cublas_ms']:>10.4f} {r['triton_ms']:>10.4f} "
+                f"{r['speedup']:>7.2f}x {gx:>7} {r['cublas_tflops']:>9.0f} "
+                f"{r['dispatch']:>8} {'yes' if r['dispatch_ok'] else 'NO':>6} "
+                f"{r['rel_err']:>8.1e} {'yes' if r['exact_symmetric'] else 'NO':>4}"
+            )
+    print(
+        "speedup = cuBLAS / triton, eager (do_bench median, launch overhead included); "
+        "graph x = the same from CUDA-graph replays (GPU time only)"
+    )
+    print("\nbest autotune configs:")
+    for r in rows:
+        if r.get("best_config"):
+            print(f"  {r['shape']:>14} {r['kind']:>8}: {r['best_config']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the rows to this JSON file")
@@ -274,81 +345,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["ok"] for r in res if r["ms"] != float("inf")) else 1
 
     print("correctness of every config on awkward shapes:", flush=True)
-    failed = not odd_checks(mod)
-    rows: list[dict] = []
+    odd_ok = odd_checks(mod)
     t0 = time.time()
-    for shape in args.shapes or DEFAULT_SHAPES:
-        m, k = shape[-2:]
-        if m > k:
-            print(
-                f"{fmt_shape(shape)}: skipped (tall, m > k: Muon transposes it first)", flush=True
-            )
-            rows.append({"shape": fmt_shape(shape), "skipped": "tall"})
-            continue
-        kinds = ["gram"] if args.no_epilogue else ["gram", "epilogue"]
-        for kind in kinds:
-            try:
-                in_shape = shape if kind == "gram" else (*shape[:-1], m)
-                nbytes = math.prod(in_shape) * 2
-                xs = make_inputs(shape, n_sets(nbytes, l2))
-                if kind == "epilogue":
-                    xs = [make_sym(x) for x in xs]
-                row = run_case(kind, shape, [(x,) for x in xs], triton.testing.do_bench, mod)
-                del xs
-            except Exception as e:  # keep going: one bad shape should not hide the rest
-                row = {"shape": fmt_shape(shape), "kind": kind, "error": repr(e), "correct": False}
-            failed |= not row.get("correct", False)
-            rows.append(row)
-            print(
-                f"  {row['shape']:>14} {kind:>8}: "
-                + (
-                    f"cublas {row['cublas_ms']:.4f} ms, triton {row['triton_ms']:.4f} ms, "
-                    f"err {row['rel_err']:.2e}, ok={row['correct']}"
-                    if "error" not in row
-                    else f"ERROR {row['error']}"
-                ),
-                flush=True,
-            )
-            torch.cuda.empty_cache()
-
+    rows, failed = time_shapes(args, mod, l2, triton.testing.do_bench)
     print(f"\n(total {time.time() - t0:.1f} s; ms are medians; cuBLAS TF counts 2*m*m*k)")
-    hdr = (
-        f"{'shape':>14} {'kind':>8} {'cuBLAS ms':>10} {'triton ms':>10} {'speedup':>8} "
-        f"{'graph x':>7} {'cuBLAS TF':>9} {'dispatch':>8} {'right?':>6} {'err':>8} {'sym':>4}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        if "skipped" in r:
-            print(f"{r['shape']:>14} {'':>8} skipped ({r['skipped']})")
-        elif "error" in r:
-            print(f"{r['shape']:>14} {r['kind']:>8} ERROR {r['error'][:80]}")
-        else:
-            gx = f"{r['graph_speedup']:.2f}x" if r["graph_speedup"] else "n/a"
-            print(
-                f"{r['shape']:>14} {r['kind']:>8} {r['cublas_ms']:>10.4f} {r['triton_ms']:>10.4f} "
-                f"{r['speedup']:>7.2f}x {gx:>7} {r['cublas_tflops']:>9.0f} "
-                f"{r['dispatch']:>8} {'yes' if r['dispatch_ok'] else 'NO':>6} "
-                f"{r['rel_err']:>8.1e} {'yes' if r['exact_symmetric'] else 'NO':>4}"
-            )
-    print(
-        "speedup = cuBLAS / triton, eager (do_bench median, launch overhead included); "
-        "graph x = the same from CUDA-graph replays (GPU time only)"
-    )
-    print("\nbest autotune configs:")
-    for r in rows:
-        if r.get("best_config"):
-            print(f"  {r['shape']:>14} {r['kind']:>8}: {r['best_config']}")
-
+    print_table(rows)
     if args.json:
-        meta = {
-            "device": props.name,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-        }
+        meta = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
-    if failed:
+    if failed or not odd_ok:
         print("SOME CHECKS FAILED")
         return 1
     return 0

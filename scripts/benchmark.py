@@ -1089,6 +1089,7 @@ def write_results(path: Path, section: str) -> None:
 
 
 def summary(results: dict[str, list[dict]], peak: dict | None, meta: dict, cfg: Config) -> str:
+    """The closing summary: one block per section that ran."""
     lines = [
         "",
         "=" * 100,
@@ -1098,74 +1099,81 @@ def summary(results: dict[str, list[dict]], peak: dict | None, meta: dict, cfg: 
     if peak:
         lines.append(f"peak: {peak['name']} {tf(peak['tflops'])} TFLOP/s")
     if "kernels" in results:
-        lines.append("\n[kernels] ms: cuBLAS / triton / gram(dispatch)")
-        for r in results["kernels"]:
-            lines.append("  " + kernel_line(r))
-        bad = [r for r in results["kernels"] if r.get("dispatch_ok") is False]
-        lines.append(
-            "  dispatch never slower than cuBLAS: "
-            + ("yes" if not bad else "NO at " + ", ".join(f"{r['kind']} {r['shape']}" for r in bad))
-        )
+        lines += summary_kernels(results["kernels"])
     if "ortho" in results:
         lines.append("\n[ortho] zeropower, 5 steps")
-        for r in results["ortho"]:
-            lines.append("  " + ortho_line(r))
+        lines += ["  " + ortho_line(r) for r in results["ortho"]]
     if "step" in results:
-        lines.append(
-            "\n[step] optimizer.step() median ms; x = speedup vs torch.optim.Muon / vs naive"
-        )
-        for r in results["step"]:
-            if "skipped" in r:
-                if r["group"] != "peer":
-                    lines.append(f"  {r['workload']:<18} {r['name']:<30} skipped: {r['skipped']}")
-                continue
-            if "error" in r:
-                lines.append(f"  {r['workload']:<18} {r['name']:<30} ERROR {r['error'][:80]}")
-                continue
-            extra = ""
-            if r.get("vs_fused_adamw") is not None:
-                extra = (
-                    f"  = {r['vs_fused_adamw']:.2f}x fused AdamW "
-                    f"({'within' if r['within_2x_adamw'] else 'NOT within'} 2x)"
-                )
-            elif r.get("floor_ms") and r["name"] != "AdamW(fused=True)":
-                extra = f"  {r['ms'] / r['floor_ms']:.2f}x the plain-matmul floor"
-            lines.append(
-                f"  {r['workload']:<18} {r['name']:<30} {r['ms']:9.3f}  "
-                f"x{fmt(r.get('speedup_vs_torch'), '.2f'):>5} / "
-                f"x{fmt(r.get('speedup_vs_naive'), '.2f'):>5}"
-                f"{extra}"
-            )
-        peers = [r for r in results["step"] if r["group"] == "peer" and "skipped" in r]
-        if peers:
-            lines.append(
-                "  peers skipped: "
-                + ", ".join(sorted({f"{r['name']} ({r['skipped']})" for r in peers}))
-            )
-        if cfg.full:
-            for wl, anchors in ANCHORS_MS.items():
-                lines.append(
-                    f"  anchors.md ({wl}, H200): "
-                    + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
-                )
-        floors = {r["workload"]: r.get("floor_ms") for r in results["step"]}
-        for wl, f in floors.items():
-            if f:
-                lines.append(f"  {wl}: plain-matmul floor {f:.2f} ms at the measured peak")
+        lines += summary_step(results["step"], cfg)
     if "memory" in results:
-        lines.append("\n[memory] state B/param, step peak delta MiB")
-        for r in results["memory"]:
-            if "skipped" in r or "error" in r:
-                continue
-            peak_mib = r.get("step_peak_mib")
-            lines.append(
-                f"  {r['workload']:<18} {r['name']:<30} "
-                f"{fmt(r.get('state_bytes_per_param'), '.2f'):>6} B/param  "
-                f"{fmt(r.get('state_mib'), '.1f'):>9} MiB  step peak "
-                + (f"+{peak_mib:.0f} MiB" if peak_mib is not None else "n/a (CPU)")
-            )
+        lines += summary_memory(results["memory"])
     lines.append("=" * 100)
     return "\n".join(lines)
+
+
+def summary_kernels(rows: list[dict]) -> list[str]:
+    lines = ["\n[kernels] ms: cuBLAS / triton / gram(dispatch)"]
+    lines += ["  " + kernel_line(r) for r in rows]
+    bad = [r for r in rows if r.get("dispatch_ok") is False]
+    lines.append(
+        "  dispatch never slower than cuBLAS: "
+        + ("yes" if not bad else "NO at " + ", ".join(f"{r['kind']} {r['shape']}" for r in bad))
+    )
+    return lines
+
+
+def step_summary_line(r: dict) -> str | None:
+    """One ``optimizer.step()`` row of the summary (None for a skipped peer)."""
+    head = f"  {r['workload']:<18} {r['name']:<30}"
+    if "skipped" in r:
+        return None if r["group"] == "peer" else f"{head} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{head} ERROR {r['error'][:80]}"
+    extra = ""
+    if r.get("vs_fused_adamw") is not None:
+        extra = (
+            f"  = {r['vs_fused_adamw']:.2f}x fused AdamW "
+            f"({'within' if r['within_2x_adamw'] else 'NOT within'} 2x)"
+        )
+    elif r.get("floor_ms") and r["name"] != "AdamW(fused=True)":
+        extra = f"  {r['ms'] / r['floor_ms']:.2f}x the plain-matmul floor"
+    return (
+        f"{head} {r['ms']:9.3f}  x{fmt(r.get('speedup_vs_torch'), '.2f'):>5} / "
+        f"x{fmt(r.get('speedup_vs_naive'), '.2f'):>5}{extra}"
+    )
+
+
+def summary_step(rows: list[dict], cfg: Config) -> list[str]:
+    lines = ["\n[step] optimizer.step() median ms; x = speedup vs torch.optim.Muon / vs naive"]
+    lines += [line for r in rows if (line := step_summary_line(r)) is not None]
+    peers = sorted({f"{r['name']} ({r['skipped']})" for r in rows
+                    if r["group"] == "peer" and "skipped" in r})  # fmt: skip
+    if peers:
+        lines.append("  peers skipped: " + ", ".join(peers))
+    if cfg.full:
+        lines += [
+            f"  anchors.md ({wl}, H200): " + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
+            for wl, anchors in ANCHORS_MS.items()
+        ]
+    floors = {r["workload"]: r.get("floor_ms") for r in rows}
+    lines += [f"  {wl}: plain-matmul floor {f:.2f} ms at the measured peak"
+              for wl, f in floors.items() if f]  # fmt: skip
+    return lines
+
+
+def summary_memory(rows: list[dict]) -> list[str]:
+    lines = ["\n[memory] state B/param, step peak delta MiB"]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            continue
+        peak_mib = r.get("step_peak_mib")
+        lines.append(
+            f"  {r['workload']:<18} {r['name']:<30} "
+            f"{fmt(r.get('state_bytes_per_param'), '.2f'):>6} B/param  "
+            f"{fmt(r.get('state_mib'), '.1f'):>9} MiB  step peak "
+            + (f"+{peak_mib:.0f} MiB" if peak_mib is not None else "n/a (CPU)")
+        )
+    return lines
 
 
 def clean_json(v: Any) -> Any:
@@ -1221,32 +1229,9 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv if argv is None else ["scripts/benchmark.py", *argv]
-    args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmark: --device cuda but no CUDA GPU is available", file=sys.stderr)
-        return 2
-    cuda = args.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = make_config(cuda, args.quick, args.compile)
-    timer = Timer(device)
-    meta = meta_info(args, device, cfg, raw_argv)
-    torch.manual_seed(0)
-    t_start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    log(
-        f"benchmark: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-        f"sizes {meta['sizes']}, sections {','.join(args.sections)}"
-    )
+def run_sections(args, cfg: Config, device: torch.device, timer, peak, log) -> dict:
+    """The rows of every section asked for, each timed and logged."""
     results: dict[str, list[dict]] = {}
-    peak = None
-    if "ortho" in args.sections or "step" in args.sections:
-        peak = measure_peak(cfg, device, timer)
-        log(f"peak: {peak['name']}: {peak['ms']:.3f} ms, {tf(peak['tflops'])} TFLOP/s")
 
     def timed_section(name: str, fn):
         t0 = time.perf_counter()
@@ -1271,12 +1256,14 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, device, timer, peak, "step" in args.sections, "memory" in args.sections, log
             ),
         )
-        if "step" in args.sections:
-            results["step"] = step_rows
-        if "memory" in args.sections:
-            results["memory"] = mem_rows
+        for key, rows in (("step", step_rows), ("memory", mem_rows)):
+            if key in args.sections:
+                results[key] = rows
+    return results
 
-    meta["total_s"] = time.perf_counter() - t_start
+
+def write_outputs(args, meta: dict, results: dict, peak, log) -> None:
+    """The JSON rows (``--json``) and the RESULTS.md section (only with ``--results``)."""
     if args.json:
         rows = ([peak] if peak else []) + [r for s in args.sections for r in results.get(s, [])]
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -1286,6 +1273,35 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.results, markdown_section(meta, results, peak))
         log(f"updated {args.results}")
 
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv if argv is None else ["scripts/benchmark.py", *argv]
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmark: --device cuda but no CUDA GPU is available", file=sys.stderr)
+        return 2
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    cfg = make_config(cuda, args.quick, args.compile)
+    timer = Timer(device)
+    meta = meta_info(args, device, cfg, raw_argv)
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    log(
+        f"benchmark: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"sizes {meta['sizes']}, sections {','.join(args.sections)}"
+    )
+    peak = None
+    if "ortho" in args.sections or "step" in args.sections:
+        peak = measure_peak(cfg, device, timer)
+        log(f"peak: {peak['name']}: {peak['ms']:.3f} ms, {tf(peak['tflops'])} TFLOP/s")
+    results = run_sections(args, cfg, device, timer, peak, log)
+    meta["total_s"] = time.perf_counter() - t_start
+    write_outputs(args, meta, results, peak, log)
     for key, table in (
         ("kernels", kernel_table),
         ("ortho", ortho_table),
@@ -1296,7 +1312,6 @@ def main(argv: list[str] | None = None) -> int:
             log(f"\n{key}:")
             log(text_table(*table(results[key])))
     log(summary(results, peak, meta, cfg))
-
     failures = [
         r
         for s in results.values()
