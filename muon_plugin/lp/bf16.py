@@ -55,18 +55,16 @@ class Bf16Codec(MomentumCodec):
     def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
         state[BUFFER_KEY].copy_(dense)
 
-    def update_(
+    def _update(
         self,
         state: Mapping[str, Tensor],
         grad: Tensor,
         momentum: float,
         nesterov: bool,
-        compiled: bool = False,
-        param: Tensor | None = None,
-        stacked: bool = False,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
     ) -> Tensor:
-        if grad.numel() == 0:
-            return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         buf = state[BUFFER_KEY].view(-1)
         return run(dense_update, compiled, buf, grad.reshape(-1), momentum, nesterov).view(
             grad.shape

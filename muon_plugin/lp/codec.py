@@ -26,7 +26,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -158,7 +158,9 @@ class MomentumCodec(ABC):
     def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
         """Store ``dense`` (fp32, the local parameter shape) into the local state."""
 
-    @abstractmethod
+    communicates: ClassVar[bool] = False
+    """Whether its update runs collectives (then an empty local shard still takes part)."""
+
     def update_(
         self,
         state: Mapping[str, Tensor],
@@ -174,8 +176,25 @@ class MomentumCodec(ABC):
         ``param`` (the parameter, a DTensor when sharded) says which dims are sharded, for a
         format whose step communicates (every rank of a sharded parameter must then call this).
         ``stacked``: ``state`` and ``grad`` carry a leading dim of same-shape parameters
-        (:meth:`update_batch_`).
+        (:meth:`update_batch_`). An empty local shard has nothing to update: its direction is
+        empty (formats that communicate still join their collectives).
         """
+        if grad.numel() == 0 and not self.communicates:
+            return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        return self._update(state, grad, momentum, nesterov, compiled, param, stacked)
+
+    @abstractmethod
+    def _update(
+        self,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        momentum: float,
+        nesterov: bool,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
+    ) -> Tensor:
+        """:meth:`update_` of this format (``grad`` has elements unless it communicates)."""
 
     def update_batch_(
         self,
@@ -197,3 +216,26 @@ class MomentumCodec(ABC):
         for key in self.keys:
             torch._foreach_copy_([s[key] for s in states], list(stacked[key].unbind()))
         return list(directions.unbind())
+
+
+class ViewedCodec(MomentumCodec):
+    """A codec whose local codes and scales are seen as one quantized tensor (:meth:`view`,
+    a torchao optimizer-state tensor or :class:`~muon_plugin.lp.int4.Int4State`) that
+    dequantizes and is copied into."""
+
+    codes_key: ClassVar[str]
+    """The key of the codes (an empty local shard has no codes to view)."""
+
+    @abstractmethod
+    def view(self, state: Mapping[str, Tensor]) -> Any:
+        """The local state as one quantized 1-D tensor sharing its storage."""
+
+    def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
+        codes = state[self.codes_key]
+        if codes.numel() == 0:
+            return torch.zeros(shape, dtype=torch.float32, device=codes.device)
+        return self.view(state).dequantize().view(shape)
+
+    def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
+        if dense.numel():
+            self.view(state).copy_(dense.reshape(-1))

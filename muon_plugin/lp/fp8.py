@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement
 
-from muon_plugin.lp.codec import Layout, MomentumCodec
+from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.int8 import blocked_layout
 from muon_plugin.lp.keys import CODES_KEY, FACTOR_KEYS, SCALES_KEY, U_KEY, W_KEY
 from muon_plugin.lp.rank1 import (
@@ -63,12 +63,14 @@ def fp8_store(
 
 
 @dataclass(frozen=True)
-class Fp8Codec(MomentumCodec):
+class Fp8Codec(ViewedCodec):
     """e4m3 ``momentum_codes`` + fp32 ``momentum_scales`` of the residual, and the bf16 rank-1
     factors ``momentum_rank1_u`` / ``momentum_rank1_w``."""
 
     kind: ClassVar[str] = "fp8"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALES_KEY, U_KEY, W_KEY)
+    codes_key: ClassVar[str] = CODES_KEY
+    communicates: ClassVar[bool] = True  # the rank-1 power step
     scales_key: ClassVar[str | None] = SCALES_KEY
     default_block_size: ClassVar[int] = 256
     needs_torchao: ClassVar[bool] = True
@@ -92,28 +94,27 @@ class Fp8Codec(MomentumCodec):
 
     def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
         """Decoded codes + ``u w^T``."""
-        if state[CODES_KEY].numel() == 0:
-            return torch.zeros(shape, dtype=torch.float32, device=state[CODES_KEY].device)
-        dense = self.view(state).dequantize()
-        return dense.view(shape) + outer(state[U_KEY], state[W_KEY])
+        dense = super().decode(state, shape)
+        if dense.numel() == 0:
+            return dense
+        return dense + outer(state[U_KEY], state[W_KEY])
 
     def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
         """All of ``dense`` into the codes, ``u = 0`` (the next step's power step finds the
         rank-1 part)."""
         for key in FACTOR_KEYS:
             state[key].fill_(FRESH_FACTORS[key])
-        if dense.numel():
-            self.view(state).copy_(dense.reshape(-1))
+        super().encode_(state, dense)
 
-    def update_(
+    def _update(
         self,
         state: Mapping[str, Tensor],
         grad: Tensor,
         momentum: float,
         nesterov: bool,
-        compiled: bool = False,
-        param: Tensor | None = None,
-        stacked: bool = False,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
     ) -> Tensor:
         """``buf = lerp(codes + u w^T, grad)``, one power step for the new ``u, w``
         (:func:`~muon_plugin.lp.rank1.power_step`, which communicates for a sharded ``param``),

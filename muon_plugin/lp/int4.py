@@ -68,7 +68,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from muon_plugin.lp.codec import Layout, MomentumCodec
+from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import BASES_KEY, CODES_KEY, SCALE_CODES_KEY
 from muon_plugin.lp.runtime import run, table
 
@@ -222,12 +222,13 @@ class Int4State(tuple):
 
 
 @dataclass(frozen=True)
-class Int4Codec(MomentumCodec):
+class Int4Codec(ViewedCodec):
     """``momentum_codes`` (4-bit, packed) + ``momentum_scale_codes`` (8-bit, one a block) +
     ``momentum_scale_bases`` (bf16, one a super-block of 16 blocks); plain torch."""
 
     kind: ClassVar[str] = "int4"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALE_CODES_KEY, BASES_KEY)
+    codes_key: ClassVar[str] = CODES_KEY
     scales_key: ClassVar[str | None] = SCALE_CODES_KEY
     default_block_size: ClassVar[int] = 16  # measured (module docstring)
 
@@ -261,27 +262,16 @@ class Int4Codec(MomentumCodec):
         """The local state as an :class:`Int4State` (1-D, sharing storage)."""
         return Int4State(*(state[k].view(-1) for k in self.keys))
 
-    def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
-        if state[CODES_KEY].numel() == 0:
-            return torch.zeros(shape, dtype=torch.float32, device=state[CODES_KEY].device)
-        return self.view(state).dequantize().view(shape)
-
-    def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
-        if dense.numel():
-            self.view(state).copy_(dense.reshape(-1))
-
-    def update_(
+    def _update(
         self,
         state: Mapping[str, Tensor],
         grad: Tensor,
         momentum: float,
         nesterov: bool,
-        compiled: bool = False,
-        param: Tensor | None = None,
-        stacked: bool = False,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
     ) -> Tensor:
-        if grad.numel() == 0:
-            return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         held = tuple(self.view(state))
         return run(int4_update, compiled, *held, grad.reshape(-1), momentum, nesterov).view(
             grad.shape

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from muon_plugin.lp.codec import Layout, MomentumCodec
+from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
 from muon_plugin.lp.runtime import run, table
 
@@ -47,11 +47,12 @@ def blocked_layout(shape: tuple[int, ...], block_size: int, codes: torch.dtype) 
 
 
 @dataclass(frozen=True)
-class Int8Codec(MomentumCodec):
+class Int8Codec(ViewedCodec):
     """``momentum_codes`` (uint8) + ``momentum_scales`` (fp32 a block), through torchao."""
 
     kind: ClassVar[str] = "int8"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALES_KEY)
+    codes_key: ClassVar[str] = CODES_KEY
     scales_key: ClassVar[str | None] = SCALES_KEY
     default_block_size: ClassVar[int] = 256
     needs_torchao: ClassVar[bool] = True
@@ -66,27 +67,16 @@ class Int8Codec(MomentumCodec):
         codes, scales = state[CODES_KEY].view(-1), state[SCALES_KEY].view(-1)
         return OptimState8bit(codes, scales, table("int8", _signed_qmap, codes.device), True)
 
-    def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
-        if state[CODES_KEY].numel() == 0:
-            return torch.zeros(shape, dtype=torch.float32, device=state[CODES_KEY].device)
-        return self.view(state).dequantize().view(shape)
-
-    def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
-        if dense.numel():
-            self.view(state).copy_(dense.reshape(-1))
-
-    def update_(
+    def _update(
         self,
         state: Mapping[str, Tensor],
         grad: Tensor,
         momentum: float,
         nesterov: bool,
-        compiled: bool = False,
-        param: Tensor | None = None,
-        stacked: bool = False,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
     ) -> Tensor:
-        if grad.numel() == 0:
-            return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         view = self.view(state)
         return run(quantized_update, compiled, view, grad.reshape(-1), momentum, nesterov).view(
             grad.shape
