@@ -29,25 +29,18 @@ from torch.distributed.tensor import DTensor
 from muon_plugin import functional
 from muon_plugin.adam import adam_step
 from muon_plugin.copies import CopyableOptimizer
-from muon_plugin.defaults import ALGORITHMS, DEFAULTS, LR_ADJUSTMENTS, SKIP_NONFINITE
-from muon_plugin.distributed.plan import (
-    OrthogonalizationPlan,
-    check_grad_layouts,
-    plan_orthogonalization,
-)
+from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
+from muon_plugin.distributed.plan import OrthogonalizationPlan, plan_orthogonalization
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
 from muon_plugin.group_settings import (
-    AGREED_GROUP_KEYS,
     agreed_settings,
     group_settings,
     group_spec,
-    scalar,
 )
 from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import describe, local, names_by_id
+from muon_plugin.parameters import local, names_by_id
 from muon_plugin.state_dict import (
     check_group_sizes,
-    check_state_entry,
     fill_missing_settings,
     hold_out_momentum,
     match_by_name,
@@ -57,41 +50,15 @@ from muon_plugin.state_dict import (
 )
 from muon_plugin.validation import (
     NUMBER_KEYS,
-    SYNONYMS,
-    TORCH_GROUP_KEYS,
-    TORCH_LR_ADJUST,
+    check_grad_layouts,
     check_group_keys,
     normalize_group,
     resolve_synonyms,
-    synonym_of,
-    torch_lr_adjust,
     validate_group,
     validate_number,
 )
 
-__all__ = [  # the optimizer classes, and the names this module has always offered
-    "AGREED_GROUP_KEYS",
-    "ALGORITHMS",
-    "DEFAULTS",
-    "LR_ADJUSTMENTS",
-    "NUMBER_KEYS",
-    "SYNONYMS",
-    "TORCH_GROUP_KEYS",
-    "TORCH_LR_ADJUST",
-    "Muon",
-    "MuonForeach",
-    "check_state_entry",
-    "describe",
-    "group_spec",
-    "local",
-    "momentum_dtype",
-    "resolve_synonyms",
-    "scalar",
-    "synonym_of",
-    "torch_lr_adjust",
-    "validate_group",
-    "validate_number",
-]
+__all__ = ["Muon", "MuonForeach"]
 
 
 class Muon(CopyableOptimizer):

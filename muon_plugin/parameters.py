@@ -11,12 +11,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
+from muon_plugin.distributed.layout import local
 
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+__all__ = ["describe", "local", "names_by_id", "param_name"]
 
 
 def param_name(group: Mapping[str, Any], i: int, group_index: int | None = None) -> str:

@@ -1,16 +1,18 @@
 """Param-group settings as the optimizer accepts them: torch.optim's names, numbers, checks.
 
-Everything here raises ValueError naming the key, the value or the parameter at fault, at
-construction (or ``add_param_group``), before a step could fail obscurely.
+Everything here raises ValueError naming the key, the value or the parameter at fault: the
+settings at construction (or ``add_param_group``), the gradients' layouts at each step, before
+the step could fail obscurely.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from muon_plugin.defaults import ALGORITHMS, DEFAULTS, LR_ADJUSTMENTS
 from muon_plugin.group_settings import group_spec
@@ -170,3 +172,25 @@ def validate_muon_param(group: Mapping[str, Any], i: int, p: Tensor) -> None:
         raise ValueError(
             f"split_sizes {split} sum to {sum(split)} but {describe(group, i, p)} has {rows} rows"
         )
+
+
+def check_grad_layouts(group: Mapping[str, Any], params: Sequence[Tensor]) -> None:
+    """Raise ValueError when a DTensor gradient is not laid out like its parameter.
+
+    The momentum math runs on local shards, which is only right when the gradient's shard is
+    the parameter's shard (a ``Partial`` gradient, say, would be summed into momentum unreduced).
+    """
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and (
+            not isinstance(g, DTensor)
+            or g.placements != p.placements
+            or g.device_mesh != p.device_mesh
+        ):
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            got = tuple(g.placements) if isinstance(g, DTensor) else type(g).__name__
+            raise ValueError(
+                f"the gradient of {describe(group, i, p)} has placements {got} but the parameter "
+                f"has {tuple(p.placements)}; redistribute the gradient to the parameter's "
+                "placements before the optimizer step"
+            )

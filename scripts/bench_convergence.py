@@ -42,6 +42,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -132,7 +133,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "--job.dump_folder", str(dump),
         *(SMOKE_ARGS if args.smoke else []), *args.extra,
     ]  # fmt: skip
-    env = dict(os.environ)
+    env = dict(os.environ, SKIP_PREPARE_DATA="1")  # prepare_data() ran once, before any run
     env.setdefault("NPROC", str(args.nproc))
     print(f"[bench_convergence] {run.name}: {' '.join(cmd[2:])}", flush=True)
     start = time.monotonic()
@@ -215,6 +216,17 @@ def best_lr(records: list[dict], optimizer: str) -> float | None:
     return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
 
 
+def best_groups(full: list[dict]) -> dict[str, list[dict]]:
+    """Per optimizer, its full-length runs at its best lr (MuonLP at Muon's), every seed."""
+    groups = {}
+    for opt in sorted({r["optimizer"] for r in full}):
+        lr = best_lr(full, "muon" if opt.startswith("muonlp-") else opt)
+        chosen = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
+        if chosen:
+            groups[opt] = chosen
+    return groups
+
+
 def sweep_runs(args, optimizer: str) -> list[Run]:
     lrs = args.lrs[optimizer] if not args.smoke else args.lrs[optimizer][:1]
     return [Run(optimizer, float(lr), 0) for lr in lrs]
@@ -226,18 +238,21 @@ def plan(args, records: list[dict]) -> list[Run]:
     is done; the speed runs once every sweep is done."""
     done = {r["name"] for r in records if r["status"] == "ok"}
     runs = [run for opt in args.optimizers for run in sweep_runs(args, opt)]
-    swept = {opt for opt in args.optimizers if {r.name for r in sweep_runs(args, opt)} <= done}
-    for opt in args.optimizers:
-        lr = best_lr(records, opt)
-        if opt in swept and lr is not None:
-            runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
-    muon_lr = best_lr(records, "muon")
-    if "muon" in swept and muon_lr is not None:
+    best = {  # the best lr of every optimizer whose sweep is done
+        opt: lr
+        for opt in args.optimizers
+        if {r.name for r in sweep_runs(args, opt)} <= done
+        and (lr := best_lr(records, opt)) is not None
+    }
+    for opt, lr in best.items():
+        runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
+    if "muon" in best:
+        muon_lr = best["muon"]
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
         runs += [Run("muon", muon_lr, seed, budget=b) for b in args.budgets for seed in args.seeds]
-    if swept == set(args.optimizers):
+    if len(best) == len(args.optimizers):
         runs += [
-            Run(opt, best_lr(records, opt) or 0.0, 0, speed=i)
+            Run(opt, best[opt], 0, speed=i)
             for i in range(args.speed_repeats)
             for opt in args.optimizers
         ]
@@ -327,12 +342,7 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |")
     head: dict = {}
     full = [r for r in ok if full_length(r)]
-    groups: dict[str, list[dict]] = {}
-    for opt in sorted({r["optimizer"] for r in full}):
-        lr = best_lr(full, opt) if not opt.startswith("muonlp-") else best_lr(full, "muon")
-        chosen = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
-        if chosen:
-            groups[opt] = chosen
+    groups = best_groups(full)
     adam = groups.get("adamw")
     target = min(v for _, v in mean_curve(adam)) if adam else None
     speed_lines, speed = speed_table(ok)
@@ -378,8 +388,8 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         sched_lines, sched = schedule_table(ok, groups["muon"], target)
         lines += sched_lines
         if sched is not None and adam_steps:
-            head["muon"]["schedule"] = {**sched, "ratio": (sched["steps"] or 0) / adam_steps
-                                        if sched["steps"] is not None else None}  # fmt: skip
+            ratio = None if sched["steps"] is None else sched["steps"] / adam_steps
+            head["muon"]["schedule"] = {**sched, "ratio": ratio}
     lines += speed_lines
     return "\n".join(lines), head
 
@@ -407,10 +417,7 @@ def plot(records: list[dict], path: Path) -> bool:
     ok = [r for r in records if r["status"] == "ok" and r.get("speed") is None]
     full = [r for r in ok if full_length(r)]
     fig, (ax_v, ax_lr, ax_t) = plt.subplots(1, 3, figsize=(16, 4.6))
-    best: dict[str, list[dict]] = {}
-    for opt in sorted({r["optimizer"] for r in full}):
-        lr = best_lr(full, "muon" if opt.startswith("muonlp-") else opt)
-        best[opt] = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
+    best = best_groups(full)
     for opt, runs in best.items():
         color = COLORS.get(opt)
         steps, losses = zip(*mean_curve(runs), strict=True)
@@ -524,10 +531,23 @@ def wall_estimate(records: list[dict], batch: list[Run]) -> float:
     return statistics.median(walls) if walls else 0.0
 
 
+def prepare_data() -> None:
+    """Build the corpus once (what train.sh does on first use), so that runs launched together
+    do not build it at the same time; ``SKIP_PREPARE_DATA=1`` keeps ``DATA_DIR`` as it is."""
+    if os.environ.get("SKIP_PREPARE_DATA") == "1":
+        return
+    python = os.environ.get("PYTHON") or sys.executable
+    out = os.environ.get("DATA_DIR", "data")
+    cmd = [python, str(ROOT / "scripts" / "prepare_data.py"), "--out", out, "--quiet"]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
 def run_plan(args, data: dict, store: Path) -> list[dict]:
     """Launch the plan's runs, batch after batch, until done, out of budget or a run fails;
     every finished batch is saved to ``store`` at once."""
     records: list[dict] = data["runs"]
+    if plan(args, records):
+        prepare_data()
     start = time.monotonic()
     while todo := plan(args, records):
         batch = next_batch(todo, args.parallel)

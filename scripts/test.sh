@@ -20,7 +20,7 @@ venv="${MUON_PLUGIN_VENV:-$root/.venv}"
 logs="$root/.test-logs"
 mkdir -p "$logs"
 
-# NAME FLAG VENV_VAR DEFAULT_VENV TESTS: an extra environment and the tests it runs.
+# "NAME FLAG VENV TESTS": an extra environment, its set-up flag, its folder and its tests.
 extra_envs=()
 [ "${MUON_PLUGIN_TITAN03:-1}" != 0 ] \
     && extra_envs+=("titan03 --titan03 ${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03} tests/titan03")

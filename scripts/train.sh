@@ -55,8 +55,9 @@ cd "$ROOT"
 if [[ -n "${PYTHON:-}" ]]; then
     :   # an environment you manage yourself (e.g. a cluster image): used as is, no set-up
 elif [[ "$RELEASE" == 0.3 ]]; then
-    bash scripts/setup_env_titan03.sh   # creates/refreshes .venv-titan03
-    PYTHON="$ROOT/.venv-titan03/bin/python"
+    echo "[train] environment: scripts/setup_env.sh --titan03"
+    bash scripts/setup_env.sh --titan03   # creates/refreshes .venv-titan03
+    PYTHON="${MUON_PLUGIN_VENV_TITAN03:-$ROOT/.venv-titan03}/bin/python"
 else
     echo "[train] environment: scripts/setup_env.sh"
     bash scripts/setup_env.sh   # creates/refreshes .venv; instant when nothing changed

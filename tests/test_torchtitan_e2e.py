@@ -34,19 +34,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Corpus + tokenizer from scripts/prepare_data.py, in a temporary folder."""
-    out = tmp_path_factory.mktemp("titan_data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    return out
-
-
 def titan_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -25,19 +25,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Corpus + tokenizer from scripts/prepare_data.py, in a temporary folder."""
-    out = tmp_path_factory.mktemp("titan_data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    return out
-
-
 def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.update(

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muon_plugin.distributed.groups import Domain, process_group
+from muon_plugin.distributed.layout import local
 
 # What an entry describes, after its name (the fields compared once the names agree).
 FIELDS = ("global shape", "dtype", "mesh", "placements", "settings")
@@ -85,7 +86,7 @@ def check_agreement(
             continue
         key = tuple(sorted(domain.ranks))
         entries.setdefault(key, []).append(describe(name, p, domain, setting))
-        devices.setdefault(key, (p.to_local() if isinstance(p, DTensor) else p).device)
+        devices.setdefault(key, local(p).device)
     header = repr(plan_settings)
     for key in sorted(entries):
         _check_ranks(key, header, entries[key], devices[key])

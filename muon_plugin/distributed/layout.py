@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 Runs = tuple[tuple[int, int], ...]
@@ -41,6 +42,11 @@ Runs = tuple[tuple[int, int], ...]
 
 class LayoutError(ValueError):
     """A layout the planner cannot map (the caller adds the parameter's name)."""
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)

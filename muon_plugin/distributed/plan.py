@@ -14,8 +14,7 @@ It is put together from three parts:
 
 :func:`simulate_plan` is the planner alone (hypothetical parameters, no processes): a plan
 that reports like a real one but cannot ``run``. Input validation (layouts the plan cannot
-handle, gradients laid out unlike their parameters) is in :mod:`~muon_plugin.distributed.
-validation`; :func:`check_grad_layouts` is re-exported here.
+handle) is in :mod:`~muon_plugin.distributed.validation`.
 """
 
 from __future__ import annotations
@@ -26,12 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from muon_plugin.distributed.agreement import check_agreement
 from muon_plugin.distributed.communicator import Communicator
 from muon_plugin.distributed.executor import Executor
 from muon_plugin.distributed.groups import group_domain
+from muon_plugin.distributed.layout import local
 from muon_plugin.distributed.planner import (
     ParamLayout,
     ShapeGroup,
@@ -40,7 +39,7 @@ from muon_plugin.distributed.planner import (
 )
 from muon_plugin.distributed.report import report_rows
 from muon_plugin.distributed.schedule import WIRE_BYTES, WIRE_DTYPE, Schedule
-from muon_plugin.distributed.validation import check_grad_layouts, place
+from muon_plugin.distributed.validation import place
 from muon_plugin.orthogonalize import MatrixSpec, validate_backend
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "OrthogonalizationPlan",
     "Schedule",
     "ShapeGroup",
-    "check_grad_layouts",
     "plan_orthogonalization",
     "simulate_plan",
 ]
@@ -69,8 +67,6 @@ class OrthogonalizationPlan:
         communicator: Communicator | None = None,
     ) -> None:
         self.groups = groups
-        self.batched = batched
-        self.communicator = communicator
         self.executor = None if communicator is None else Executor(groups, communicator, batched)
         self.last_stats: dict[str, int] = {}
 
@@ -143,7 +139,7 @@ def plan_orthogonalization(
         {"batched": batched},
     )
     layouts = [
-        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, _device(p), specs[i])
+        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, local(p).device, specs[i])
         for i, (p, (domain, layout)) in enumerate(zip(params, placed, strict=True))
     ]
     groups = plan_groups(layouts, batched=batched)
@@ -166,7 +162,3 @@ def simulate_plan(
     """
     layouts = simulated_layouts(entries, rank=rank, dtype=dtype, device=device)
     return OrthogonalizationPlan(plan_groups(layouts, batched=batched), batched)
-
-
-def _device(p: Tensor) -> torch.device:
-    return (p.to_local() if isinstance(p, DTensor) else p).device

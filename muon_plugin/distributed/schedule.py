@@ -67,7 +67,6 @@ class Schedule:
     direct: list[tuple[int, tuple[int, ...]]] | None = None
     # The exchanges per peer (linear index), in unit order, before they are laid out.
     by_peer: dict[str, dict[int, list]] = field(default_factory=dict)
-    peers: int = 0
 
     def lay_out(self, order: Sequence[int]) -> None:
         """Lay the exchanges into buffer order: the peers (linear indices) in ``order``."""
@@ -82,9 +81,13 @@ class Schedule:
             setattr(self, f"{name}_splits", splits)
 
 
+HOLDER_SIDES = ("gather_send", "back_recv")
+"""The exchanges whose items are a holder's: ``(param k, local batch index, piece shape)``; the
+others carry the owner's ``(slot, piece shape, rects)``."""
+
+
 def _piece_shape(exchange: str, item: tuple) -> tuple[int, ...]:
-    # Items carrying (param k, local batch index, shape) vs (slot, shape, rects).
-    return item[2] if exchange in ("gather_send", "back_recv") else item[1]
+    return item[2] if exchange in HOLDER_SIDES else item[1]
 
 
 class _Builder:
@@ -98,7 +101,7 @@ class _Builder:
         self.piece_shape = {
             j: tuple(self.layout.index[d][j].size for d in group.unit_dims) for j in range(n)
         }
-        self.sched = Schedule(by_peer={name: defaultdict(list) for name in EXCHANGES}, peers=n)
+        self.sched = Schedule(by_peer={name: defaultdict(list) for name in EXCHANGES})
         self.slot_of: dict[int, int] = {}
         self._rects: dict[int, tuple[Rect, ...]] = {}
 
@@ -129,30 +132,41 @@ class _Builder:
             )
 
     def gather(self, u: int, k: int, j: int, o: int, local_b: tuple, numel: int) -> None:
-        peers, me = self.sched.by_peer, self.me
-        if j == o:
-            if o == me:
-                self.sched.gather_self.append((self.slot_of[u], k, local_b, self.rects(j)))
-            return
-        self.bytes["gather_send"][j] += numel * WIRE_BYTES
-        self.bytes["gather_recv"][o] += numel * WIRE_BYTES
-        if j == me:
-            peers["gather_send"][o].append((k, local_b, self.piece_shape[j]))
-        if o == me:
-            peers["gather_recv"][j].append((self.slot_of[u], self.piece_shape[j], self.rects(j)))
+        """Holder ``j``'s piece of unit ``u`` travels to its owner ``o``."""
+        self.exchange("gather_send", "gather_recv", self.sched.gather_self, u, k, j, o, local_b,
+                      numel)  # fmt: skip
 
     def back(self, u: int, k: int, j: int, o: int, local_b: tuple, numel: int) -> None:
-        peers, me = self.sched.by_peer, self.me
+        """The owner ``o`` returns holder ``j``'s piece of unit ``u``'s result."""
+        self.exchange("back_recv", "back_send", self.sched.back_self, u, k, j, o, local_b, numel)
+
+    def exchange(
+        self,
+        holder_side: str,
+        owner_side: str,
+        on_self: list,
+        u: int,
+        k: int,
+        j: int,
+        o: int,
+        local_b: tuple,
+        numel: int,
+    ) -> None:
+        """One piece between holder ``j`` and owner ``o``: a local copy when they are the same
+        rank, else the bytes of both sides and, on this rank, the item of its side
+        (``(k, local batch index, piece shape)`` for the holder, ``(slot, piece shape, rects)``
+        for the owner)."""
         if j == o:
-            if o == me:
-                self.sched.back_self.append((self.slot_of[u], k, local_b, self.rects(j)))
+            if o == self.me:
+                on_self.append((self.slot_of[u], k, local_b, self.rects(j)))
             return
-        self.bytes["back_send"][o] += numel * WIRE_BYTES
-        self.bytes["back_recv"][j] += numel * WIRE_BYTES
-        if o == me:
-            peers["back_send"][j].append((self.slot_of[u], self.piece_shape[j], self.rects(j)))
-        if j == me:
-            peers["back_recv"][o].append((k, local_b, self.piece_shape[j]))
+        self.bytes[holder_side][j] += numel * WIRE_BYTES
+        self.bytes[owner_side][o] += numel * WIRE_BYTES
+        peers = self.sched.by_peer
+        if j == self.me:
+            peers[holder_side][o].append((k, local_b, self.piece_shape[j]))
+        if o == self.me:
+            peers[owner_side][j].append((self.slot_of[u], self.piece_shape[j], self.rects(j)))
 
 
 def schedule_group(group: ShapeGroup, holdings: dict[tuple[int, ...], list]) -> None:

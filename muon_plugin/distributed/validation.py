@@ -2,13 +2,11 @@
 
 :func:`place` turns a parameter (DTensor or plain tensor) into its domain and layout, refusing
 layouts the plan cannot handle (``Partial`` or unknown placements, a mesh this rank is not part
-of, a local shard that is not where the placements say); :func:`check_grad_layouts` refuses a
-DTensor gradient laid out unlike its parameter.
+of, a local shard that is not where the placements say).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -66,27 +64,3 @@ def place(p: Tensor, name: str, replicate_domain: Domain | None) -> tuple[Domain
             "supported"
         )
     return domain, layout
-
-
-def check_grad_layouts(group: dict[str, Any], params: Sequence[Tensor]) -> None:
-    """Raise ValueError when a DTensor gradient is not laid out like its parameter.
-
-    The momentum math runs on local shards, which is only right when the gradient's shard is
-    the parameter's shard (a ``Partial`` gradient, say, would be summed into momentum unreduced).
-    """
-    names = group.get("param_names")
-    for p in params:
-        g = p.grad
-        if isinstance(p, DTensor) and (
-            not isinstance(g, DTensor)
-            or g.placements != p.placements
-            or g.device_mesh != p.device_mesh
-        ):
-            i = next(i for i, q in enumerate(group["params"]) if q is p)
-            name = repr(names[i]) if names else f"#{i}"
-            got = tuple(g.placements) if isinstance(g, DTensor) else type(g).__name__
-            raise ValueError(
-                f"the gradient of parameter {name} (shape {tuple(p.shape)}) has placements "
-                f"{got} but the parameter has {tuple(p.placements)}; redistribute the gradient "
-                "to the parameter's placements before the optimizer step"
-            )

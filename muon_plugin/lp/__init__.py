@@ -32,15 +32,8 @@ from muon_plugin.lp.formats import (
 from muon_plugin.lp.fp8 import Fp8Codec
 from muon_plugin.lp.int4 import Int4Codec
 from muon_plugin.lp.int8 import Int8Codec
-from muon_plugin.lp.layout import like_param
 from muon_plugin.lp.momentum import QUANTIZED, QuantizedMomentum
-from muon_plugin.lp.optimizer import MuonLP, logger
-from muon_plugin.optimizer import MuonForeach
-from muon_plugin.parameters import describe, local
-
-StateFormat = codec_for
-"""The codec of a format by name (this package's name for :func:`codec_for` before codecs
-were classes)."""
+from muon_plugin.lp.optimizer import MuonLP
 
 __all__ = [
     "CODECS",
@@ -51,17 +44,11 @@ __all__ = [
     "Int4Codec",
     "Int8Codec",
     "MomentumCodec",
-    "MuonForeach",
     "MuonLP",
     "QuantizedMomentum",
-    "StateFormat",
     "choose_format",
     "codec_for",
-    "describe",
     "detect_format",
-    "like_param",
-    "local",
-    "logger",
     "require_torchao",
     "restore",
     "state_nbytes",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,7 +32,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from muon_plugin.lp.keys import CODES_KEY
 from muon_plugin.lp.layout import like_param
+from muon_plugin.lp.runtime import run
 from muon_plugin.parameters import local
 
 MIN_QUANTIZED_NUMEL = 4096
@@ -223,12 +225,33 @@ class ViewedCodec(MomentumCodec):
     a torchao optimizer-state tensor or :class:`~muon_plugin.lp.int4.Int4State`) that
     dequantizes and is copied into."""
 
-    codes_key: ClassVar[str]
+    codes_key: ClassVar[str] = CODES_KEY
     """The key of the codes (an empty local shard has no codes to view)."""
+    update_fn: ClassVar[Callable[..., Tensor]]
+    """``(*operands, grad, momentum, nesterov) -> direction``, updating the operands in place
+    (eager, or compiled by :func:`~muon_plugin.lp.runtime.run`)."""
 
     @abstractmethod
     def view(self, state: Mapping[str, Tensor]) -> Any:
         """The local state as one quantized 1-D tensor sharing its storage."""
+
+    def operands(self, state: Mapping[str, Tensor]) -> tuple[Any, ...]:
+        """What :attr:`update_fn` updates: the :meth:`view` of the state."""
+        return (self.view(state),)
+
+    def _update(
+        self,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        momentum: float,
+        nesterov: bool,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
+    ) -> Tensor:
+        flat = grad.reshape(-1)
+        operands = self.operands(state)
+        return run(self.update_fn, compiled, *operands, flat, momentum, nesterov).view(grad.shape)
 
     def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
         codes = state[self.codes_key]

@@ -22,7 +22,6 @@ CODECS: dict[str, type[MomentumCodec]] = {
     c.kind: c for c in (Bf16Codec, Int8Codec, Int4Codec, Fp8Codec)
 }
 """Every format, by ``state_dtype``."""
-STATE_DTYPES = LP_STATE_DTYPES
 DEFAULT_BLOCK_SIZES = {k: c.default_block_size for k, c in CODECS.items() if c.quantized}
 """torchao's own defaults for its low-bit optimizers (int8, fp8); int4 measured."""
 STATE_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for c in CODECS.values() for k in c.keys))
@@ -52,8 +51,8 @@ def require_torchao(state_dtype: str) -> None:
 
 def validate_state_dtype(state_dtype: object, block_size: object) -> int:
     """Check ``state_dtype`` and ``block_size``; return the block size to use (0 for bf16)."""
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"unknown state_dtype {state_dtype!r}; expected one of {STATE_DTYPES}")
+    if state_dtype not in LP_STATE_DTYPES:
+        raise ValueError(f"unknown state_dtype {state_dtype!r}; expected one of {LP_STATE_DTYPES}")
     if block_size is not None and (
         isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
     ):

@@ -69,7 +69,6 @@ class Fp8Codec(ViewedCodec):
 
     kind: ClassVar[str] = "fp8"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALES_KEY, U_KEY, W_KEY)
-    codes_key: ClassVar[str] = CODES_KEY
     communicates: ClassVar[bool] = True  # the rank-1 power step
     scales_key: ClassVar[str | None] = SCALES_KEY
     default_block_size: ClassVar[int] = 256

@@ -70,7 +70,7 @@ from torch import Tensor
 
 from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import BASES_KEY, CODES_KEY, SCALE_CODES_KEY
-from muon_plugin.lp.runtime import run, table
+from muon_plugin.lp.runtime import table
 
 INT4_LEVELS = tuple((2 * c - 15) / 16 for c in range(16))
 """Code ``c`` decodes to ``INT4_LEVELS[c] * scale`` = ``(c - 7.5) / 8 * scale``, the centre of
@@ -228,7 +228,7 @@ class Int4Codec(ViewedCodec):
 
     kind: ClassVar[str] = "int4"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALE_CODES_KEY, BASES_KEY)
-    codes_key: ClassVar[str] = CODES_KEY
+    update_fn = staticmethod(int4_update)
     scales_key: ClassVar[str | None] = SCALE_CODES_KEY
     default_block_size: ClassVar[int] = 16  # measured (module docstring)
 
@@ -262,17 +262,5 @@ class Int4Codec(ViewedCodec):
         """The local state as an :class:`Int4State` (1-D, sharing storage)."""
         return Int4State(*(state[k].view(-1) for k in self.keys))
 
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-    ) -> Tensor:
-        held = tuple(self.view(state))
-        return run(int4_update, compiled, *held, grad.reshape(-1), momentum, nesterov).view(
-            grad.shape
-        )
+    def operands(self, state: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        return tuple(self.view(state))

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
-from muon_plugin.lp.runtime import run, table
+from muon_plugin.lp.runtime import table
 
 
 def _signed_qmap() -> Tensor:
@@ -52,7 +52,7 @@ class Int8Codec(ViewedCodec):
 
     kind: ClassVar[str] = "int8"
     keys: ClassVar[tuple[str, ...]] = (CODES_KEY, SCALES_KEY)
-    codes_key: ClassVar[str] = CODES_KEY
+    update_fn = staticmethod(quantized_update)
     scales_key: ClassVar[str | None] = SCALES_KEY
     default_block_size: ClassVar[int] = 256
     needs_torchao: ClassVar[bool] = True
@@ -66,18 +66,3 @@ class Int8Codec(ViewedCodec):
 
         codes, scales = state[CODES_KEY].view(-1), state[SCALES_KEY].view(-1)
         return OptimState8bit(codes, scales, table("int8", _signed_qmap, codes.device), True)
-
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-    ) -> Tensor:
-        view = self.view(state)
-        return run(quantized_update, compiled, view, grad.reshape(-1), momentum, nesterov).view(
-            grad.shape
-        )

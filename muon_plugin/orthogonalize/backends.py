@@ -145,14 +145,12 @@ class IterationBackend(Backend):
     ) -> ResolvedPath:
         """Per row-block size the :func:`~muon_plugin.orthogonalize.paths.iteration_path` of
         its batch (the stack's matrices of that size), and a graph for small CUDA stacks."""
-        features = self.features.under_environment()
         iterations = tuple(
-            (rows, iteration_path(batch, min(rows, cols), max(rows, cols), device, features))
+            (rows, self.iteration_path(batch, min(rows, cols), max(rows, cols), device))
             for rows, cols, batch in spec.block_batches(shape, stack)
         )
-        graph = (
-            features.graphs and stack > 0 and use_cuda_graph(device, stack, math.prod(shape), spec)
-        )
+        features = self.features.under_environment()
+        graph = features.graphs and use_cuda_graph(device, stack, math.prod(shape), spec)
         return ResolvedPath(iterations=iterations, graph=graph)
 
     def orthogonalize(
@@ -291,6 +289,7 @@ def iteration_backend(name: str) -> IterationBackend:
 def elementwise_kernels_allowed(name: str) -> bool:
     """Whether the elementwise Triton kernels (momentum, decay + update) may run for a group on
     backend ``name``: ``"auto"`` unless ``MUON_PLUGIN_DISABLE_TRITON=1`` (read now) or triton is
-    missing; never for ``"cublas"`` and ``"plain"``. Resolve it once (at plan build) and pass it
-    as ``enabled`` to ``muon_plugin.kernels.elementwise.kernel_groups``."""
+    missing; never for ``"cublas"`` and ``"plain"``. The optimizer asks at every step (a
+    registry lookup), so the switch takes effect at the next step, and passes it as ``enabled``
+    to ``muon_plugin.kernels.elementwise.kernel_groups``."""
     return get_backend(name).elementwise_kernels()

@@ -42,9 +42,11 @@ def use_cuda_graph(
     device: torch.device, stack_size: int, matrix_numel: int, spec: MatrixSpec
 ) -> bool:
     """Whether a stack of ``stack_size`` units with ``matrix_numel``-element matrices pays for a
-    graph (the backends' rule; ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS`` is applied by them)."""
+    graph (the backends' rule; ``MUON_PLUGIN_DISABLE_CUDA_GRAPHS`` is applied by them). An
+    empty stack (a rank that owns none of a group's matrices) has nothing to capture."""
     return (
         device.type == "cuda"
+        and stack_size > 0
         and not spec.compile
         and 0 < matrix_numel <= GRAPH_MAX_MATRIX_NUMEL
         and stack_size * matrix_numel <= GRAPH_MAX_STACK_NUMEL

@@ -81,7 +81,7 @@ def iteration_path(
     xx = triton and kernel_wins(m, n, batch)
     mm = triton and kernel_wins(m, m, batch)
     if gram_space is None:
-        gram_space = features.gram and cuda and n >= GRAM_MIN_ASPECT * m
+        gram_space = features.gram and gram_space_wins(m, n, cuda)
     if mm:
         products = "triton"
     elif gram_space or (features.half and cuda):
@@ -103,7 +103,13 @@ def use_gram_iteration(X: Any) -> bool:
     if _switched_off(DISABLE_GRAM):
         return False
     m, n = X.shape[-2:]
-    return bool(X.is_cuda) and n >= GRAM_MIN_ASPECT * m
+    return gram_space_wins(m, n, bool(X.is_cuda))
+
+
+def gram_space_wins(m: int, n: int, cuda: bool) -> bool:
+    """The Gram-space rule of the built-in paths: wide enough (``n >= GRAM_MIN_ASPECT * m``),
+    on CUDA (the CPU has no fast fp16)."""
+    return cuda and n >= GRAM_MIN_ASPECT * m
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,13 @@ class PartOptimizers:
     rules: RuleSet
 
 
+def optimizer_setup(cfg: MuonConfig, base: BaseHyperparams) -> tuple[type[Optimizer], dict]:
+    """The optimizer class and the constructor arguments the options and the job give."""
+    kwargs = optimizer_kwargs(base, cfg)
+    kwargs.update(low_precision_kwargs(cfg))
+    return resolve_optimizer_cls(cfg), kwargs
+
+
 def build_part_optimizers(
     model_parts: Sequence[nn.Module], cfg: MuonConfig, base: BaseHyperparams
 ) -> PartOptimizers:
@@ -160,9 +167,7 @@ def build_part_optimizers(
     """
     cfg.validate()
     rules = cfg.rules()
-    optimizer_cls = resolve_optimizer_cls(cfg)
-    kwargs = optimizer_kwargs(base, cfg)
-    kwargs.update(low_precision_kwargs(cfg))
+    optimizer_cls, kwargs = optimizer_setup(cfg, base)
     optimizers: list[Optimizer] = []
     group_classes: list[list[str]] = []
     all_params: list[nn.Parameter] = []
@@ -218,6 +223,22 @@ def format_build_summary(built: PartOptimizers, cfg: MuonConfig) -> str:
         "Muon param groups:\n"
         f"{format_rules(built.optimizers, built.group_classes)}"
     )
+
+
+def log_build(
+    built: PartOptimizers,
+    cfg: MuonConfig,
+    register_step_post_hook: Callable[[Callable[..., None]], Any],
+    report: Callable[[], str | None],
+    log: logging.Logger | None = None,
+) -> None:
+    """With ``log_plan``: the build summary now (rank 0), the plan after the first step."""
+    if not cfg.log_plan:
+        return
+    log = log or logger
+    if is_rank0():
+        log.info(format_build_summary(built, cfg))
+    log_plan_after_first_step(register_step_post_hook, report, log)
 
 
 def log_plan_after_first_step(

@@ -97,3 +97,9 @@ def unrecognized_options(text: str) -> str | None:
         if suggestions:
             hint = f"; did you mean {_flag_key(suggestions[0])}?"
     return f"{_flag_key(flags[0])}: unknown key (command line {flags[0]}){hint}"
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message as one line (its first), or its repr when it has no message."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else repr(error)

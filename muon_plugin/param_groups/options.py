@@ -281,6 +281,21 @@ JOB_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 """Values of the job's ``optimizer.implementation`` (the Adam kernel of the AdamW groups)."""
 
 
+def validate_optimizer_section(opt: Any, section: str = "optimizer") -> None:
+    """:func:`validate_job_optimizer` on a front end's optimizer section (torchtitan's
+    ``[optimizer]``, 0.3's container config): its ``lr``, ``weight_decay``, ``eps``, ``beta1``,
+    ``beta2`` and ``implementation`` (``"fused"`` where it has none)."""
+    validate_job_optimizer(
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        eps=opt.eps,
+        beta1=opt.beta1,
+        beta2=opt.beta2,
+        implementation=getattr(opt, "implementation", "fused"),
+        section=section,
+    )
+
+
 def validate_job_optimizer(
     *,
     lr: Any,

@@ -20,14 +20,13 @@ from torchtitan.tools.logging import logger
 from muon_plugin.param_groups.builder import (
     BaseHyperparams,
     build_part_optimizers,
-    format_build_summary,
     format_plan_report,
     format_rules,
     is_rank0,
-    log_plan_after_first_step,
+    log_build,
     with_config_key,
 )
-from muon_plugin.param_groups.options import MuonConfig, validate_job_optimizer
+from muon_plugin.param_groups.options import MuonConfig, validate_optimizer_section
 
 __all__ = [
     "MuonOptimizersContainer",
@@ -172,14 +171,7 @@ def build_muon_optimizers(
 ) -> MuonOptimizersContainer:
     """torchtitan ``build_optimizers_fn`` for ``optimizer.name = "muon"``."""
     _check_supported(optimizer_config, ft_manager)
-    validate_job_optimizer(
-        lr=optimizer_config.lr,
-        weight_decay=optimizer_config.weight_decay,
-        eps=optimizer_config.eps,
-        beta1=optimizer_config.beta1,
-        beta2=optimizer_config.beta2,
-        implementation=getattr(optimizer_config, "implementation", "fused"),
-    )
+    validate_optimizer_section(optimizer_config)
     cfg = getattr(optimizer_config, "muon", None)
     if cfg is None:
         cfg = MuonConfig()
@@ -188,10 +180,8 @@ def build_muon_optimizers(
             "(job.custom_config_module is not muon_plugin.torchtitan?): using the defaults"
         )
     container = MuonOptimizersContainer(model_parts, cfg, base_hyperparams(optimizer_config))
-    if cfg.log_plan and is_rank0():
-        logger.info(format_build_summary(container.built, cfg))
-    if cfg.log_plan:
-        log_plan_after_first_step(
-            container.register_step_post_hook, container.format_plan_report, logger
-        )
+    log_build(
+        container.built, cfg, container.register_step_post_hook, container.format_plan_report,
+        logger,
+    )  # fmt: skip
     return container

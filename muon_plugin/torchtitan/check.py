@@ -23,7 +23,7 @@ import sys
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from muon_plugin.param_groups.messages import one_line, unknown_key
+from muon_plugin.param_groups.messages import first_line, one_line, unknown_key
 
 __all__ = ["check", "main", "unknown_cli_key", "unknown_toml_key"]
 
@@ -102,26 +102,17 @@ def check(config: str, args: list[str]) -> Any:
             raise
         raise ValueError(one_line(captured.getvalue())) from None
     except (ValueError, TypeError) as e:
-        raise ValueError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+        raise ValueError(first_line(e)) from None
 
     from muon_plugin.torchtitan.register import is_muon
 
     if is_muon(job.optimizer.name):
-        from muon_plugin.param_groups.options import validate_job_optimizer
+        from muon_plugin.param_groups.options import validate_optimizer_section
 
-        opt = job.optimizer
-        validate_job_optimizer(
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            eps=opt.eps,
-            beta1=opt.beta1,
-            beta2=opt.beta2,
-            implementation=getattr(opt, "implementation", "fused"),
-        )
-        muon = getattr(opt, "muon", None)
+        validate_optimizer_section(job.optimizer)
+        muon = getattr(job.optimizer, "muon", None)
         if muon is not None:
-            muon.validate()
-            muon.rules()
+            muon.validate()  # the options and the class rules they give
     return job
 
 

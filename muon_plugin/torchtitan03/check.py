@@ -24,47 +24,36 @@ import io
 import sys
 from typing import Any
 
-from muon_plugin.param_groups.messages import one_line, unknown_key, unrecognized_options
+from muon_plugin.param_groups.messages import (
+    first_line,
+    one_line,
+    unknown_key,
+    unrecognized_options,
+)
 
 __all__ = ["check", "check_muon", "main"]
 
 _PREFIX = "optimizer.muon."
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else repr(e)
-
-
 def check_muon(opt: Any) -> None:
     """Check a ``MuonOptimizersContainer.Config``: job-wide values, ``muon_toml``, the Muon
     options in force and the class rules; raises ``ValueError`` naming the key."""
-    from muon_plugin.param_groups.options import MUON_CONFIG_KEYS, validate_job_optimizer
-    from muon_plugin.param_groups.table import read_muon_table
-    from muon_plugin.torchtitan03.container import resolve_muon_config
+    from muon_plugin.param_groups.options import MUON_CONFIG_KEYS, validate_optimizer_section
+    from muon_plugin.param_groups.table import apply_table, read_muon_table
 
-    validate_job_optimizer(
-        lr=opt.lr,
-        weight_decay=opt.weight_decay,
-        eps=opt.eps,
-        beta1=opt.beta1,
-        beta2=opt.beta2,
-        implementation=opt.implementation,
-    )
-    opt.muon.validate()
+    validate_optimizer_section(opt)
+    opt.muon.validate()  # the options and their class rules, before the table's values
     if opt.muon_toml:
         table = read_muon_table(opt.muon_toml)
         unknown = [key for key in table if key not in MUON_CONFIG_KEYS]
         if unknown:
             keys = [_PREFIX + k for k in MUON_CONFIG_KEYS]
             raise ValueError(unknown_key(_PREFIX + unknown[0], f"in {opt.muon_toml}", keys))
-        try:
-            cfg = resolve_muon_config(opt)
+        try:  # what resolve_muon_config does, with the table already read
+            apply_table(opt.muon, table).validate()
         except ValueError as e:  # the options alone were valid: the table's value is not
-            raise ValueError(f"{_first_line(e)} (in {opt.muon_toml})") from None
-    else:
-        cfg = resolve_muon_config(opt)
-    cfg.rules()
+            raise ValueError(f"{first_line(e)} (in {opt.muon_toml})") from None
 
 
 def check(args: list[str]) -> Any:
@@ -92,7 +81,7 @@ def check(args: list[str]) -> Any:
         text = captured.getvalue()
         raise ValueError(unrecognized_options(text) or one_line(text)) from None
     except (ValueError, TypeError, ImportError) as e:
-        raise ValueError(_first_line(e)) from None
+        raise ValueError(first_line(e)) from None
     return config
 
 

@@ -26,11 +26,9 @@ from torchtitan.tools.logging import logger
 from muon_plugin.param_groups.builder import (
     BaseHyperparams,
     build_part_optimizers,
-    format_build_summary,
     format_plan_report,
     format_rules,
-    is_rank0,
-    log_plan_after_first_step,
+    log_build,
 )
 from muon_plugin.param_groups.options import MuonConfig
 from muon_plugin.param_groups.table import apply_table, read_muon_table
@@ -114,10 +112,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.muon_config = cfg
         self.built = built
         self._post_init(built.params)
-        if cfg.log_plan and is_rank0():
-            logger.info(format_build_summary(built, cfg))
-        if cfg.log_plan:
-            log_plan_after_first_step(self.register_step_post_hook, self.format_plan_report, logger)
+        log_build(built, cfg, self.register_step_post_hook, self.format_plan_report, logger)
 
     def format_rules(self) -> str:
         """The param-group table(s), one per model part."""

@@ -25,13 +25,9 @@ from torchtune import utils
 
 from muon_plugin.param_groups.builder import (
     PartOptimizers,
-    format_build_summary,
     format_plan_report,
-    is_rank0,
-    log_plan_after_first_step,
-    low_precision_kwargs,
-    optimizer_kwargs,
-    resolve_optimizer_cls,
+    log_build,
+    optimizer_setup,
     with_config_key,
 )
 from muon_plugin.param_groups.rules import build_param_groups, strip_fqn
@@ -86,9 +82,7 @@ def build_muon(named: list[tuple[str, torch.Tensor]], section: OptimizerSection)
     """
     cfg = section.muon
     rules = dataclasses.replace(cfg.rules(), option_prefix=f"{SECTION}.")
-    optimizer_cls = resolve_optimizer_cls(cfg)
-    kwargs = optimizer_kwargs(section.base, cfg)
-    kwargs.update(low_precision_kwargs(cfg))
+    optimizer_cls, kwargs = optimizer_setup(cfg, section.base)
     trainable = [(n, p) for n, p in named if p.requires_grad]
     try:  # the rule engine names this section's keys itself (rules.option_prefix)
         groups, classes = build_param_groups(
@@ -114,10 +108,8 @@ def muon(params: Iterable[Any], **section: Any) -> Optimizer:
     parsed = parse_optimizer_section(section)
     built = build_muon(named_parameters(params), parsed)
     optimizer = built.optimizers[0]
-    if parsed.muon.log_plan:
-        if is_rank0():
-            log.info(format_build_summary(built, parsed.muon))
-        log_plan_after_first_step(
-            optimizer.register_step_post_hook, lambda: format_plan_report([optimizer]), log
-        )
+    log_build(
+        built, parsed.muon, optimizer.register_step_post_hook,
+        lambda: format_plan_report([optimizer]), log,
+    )  # fmt: skip
     return optimizer

@@ -33,18 +33,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("titan03_data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    return out
-
-
 def run(
     args: list[str],
     tmp: Path,

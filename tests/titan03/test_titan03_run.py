@@ -105,19 +105,6 @@ def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str
     assert seconds < 45, f"the {len(CASES)} checks took {seconds:.1f} s"
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Corpus + tokenizer from scripts/prepare_data.py, in a temporary folder."""
-    out = tmp_path_factory.mktemp("titan03_run_data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(out), "-q"],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    return out
-
-
 @linux_only
 @pytest.mark.slow
 def test_run_writes_the_log_with_the_summary(assets: Path, tmp_path: Path) -> None:
