@@ -50,3 +50,28 @@ def test_round_trip_is_nearest_level_of_block_absmax(block_size):
     # One-shot error on Gaussian blocks of 256: 1.1% measured.
     gauss = torch.randn(64, 1024)
     assert rel_err(roundtrip(Int8Codec(256), gauss)[0], gauss) < 0.02
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fused_kernel_equals_torchao_ops_on_the_gpu(grad_dtype, nesterov):
+    """On CUDA the fused Triton kernel and torchao's eager ops round alike: equal state and
+    directions, step after step (a stacked update and a lone one)."""
+    from muon_plugin.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not importable")
+    codec = Int8Codec(256)
+    for shape, stacked in [((2048, 1536), False), ((5, 384, 768), True)]:
+        param = torch.empty(shape, device="cuda")
+        fused, eager = codec.zeros(param), codec.zeros(param)
+        torch.manual_seed(0)
+        for step in range(5):
+            grad = (torch.randn(shape, device="cuda") * 3.0**-step).to(grad_dtype)
+            kw = dict(stacked=stacked)
+            d_fused = codec.update_(fused, grad, 0.95, nesterov, kernels=True, **kw)
+            d_eager = codec.update_(eager, grad, 0.95, nesterov, kernels=False, **kw)
+            assert torch.equal(d_fused, d_eager), (shape, step)
+            for key in codec.keys:
+                assert torch.equal(fused[key], eager[key]), (shape, step, key)

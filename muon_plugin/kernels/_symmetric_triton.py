@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from muon_plugin.kernels.symmetric import upper_tile_count
+from muon_plugin.kernels.tuning_cache import TuningCache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -370,6 +371,17 @@ syrk_autotuned = triton.autotune(configs=_configs(POINTER_TILES), key=["M", "K",
 _tuned: dict[tuple, dict] = {}
 
 
+@functools.cache
+def _disk_cache_of(device_index: int) -> TuningCache:
+    props = torch.cuda.get_device_properties(device_index)
+    return TuningCache(f"{props.name}-sm{props.major}{props.minor}", triton.__version__)
+
+
+def _disk_cache(device: torch.device) -> TuningCache:
+    """The on-disk table of autotuned configs for this GPU model and Triton version."""
+    return _disk_cache_of(device.index if device.index is not None else 0)
+
+
 # One program per upper-triangle tile.
 _num_programs = upper_tile_count
 
@@ -465,9 +477,14 @@ class _Tuned:
         batch: int,
         config: dict | None,
     ) -> None:
-        """The first launch for ``key`` autotunes (and records the winner); later launches,
-        or any with an explicit ``config``, go to the kernel directly."""
+        """The first launch for ``key`` takes the config stored on disk for this GPU
+        (:mod:`~muon_plugin.kernels.tuning_cache`) or autotunes and stores the winner; later
+        launches, or any with an explicit ``config``, go to the kernel directly."""
         config = config or _tuned.get(key)
+        if config is None and not INTERPRET:
+            config = _disk_cache(args[0].device).get(self.kernel.cache_key, key)
+            if config is not None:
+                _tuned[key] = config
         if config is None:
             grid = lambda meta: (_num_programs(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch)
             self.autotuned[grid](*args, **flags)
@@ -477,6 +494,8 @@ class _Tuned:
                 "num_warps": best.num_warps,
                 "num_stages": best.num_stages,
             }
+            if not INTERPRET:
+                _disk_cache(args[0].device).put(self.kernel.cache_key, key, _tuned[key])
             return
         grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
         self.kernel[grid](*args, **flags, **self.heuristics(config, m, k), **config)

@@ -64,6 +64,7 @@ class Bf16Codec(MomentumCodec):
         compiled: bool,
         param: Tensor | None,
         stacked: bool,
+        kernels: bool | None,
     ) -> Tensor:
         buf = state[BUFFER_KEY].view(-1)
         return run(dense_update, compiled, buf, grad.reshape(-1), momentum, nesterov).view(

@@ -172,18 +172,21 @@ class MomentumCodec(ABC):
         compiled: bool = False,
         param: Tensor | None = None,
         stacked: bool = False,
+        kernels: bool | None = None,
     ) -> Tensor:
         """Muon's momentum step on the local state, in place; the fp32 direction (grad's shape).
 
         ``param`` (the parameter, a DTensor when sharded) says which dims are sharded, for a
         format whose step communicates (every rank of a sharded parameter must then call this).
         ``stacked``: ``state`` and ``grad`` carry a leading dim of same-shape parameters
-        (:meth:`update_batch_`). An empty local shard has nothing to update: its direction is
+        (:meth:`update_batch_`). ``kernels``: whether a format's fused Triton kernel may run
+        (the orthogonalization backend's call; None: ``MUON_PLUGIN_DISABLE_TRITON`` decides).
+        An empty local shard has nothing to update: its direction is
         empty (formats that communicate still join their collectives).
         """
         if grad.numel() == 0 and not self.communicates:
             return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-        return self._update(state, grad, momentum, nesterov, compiled, param, stacked)
+        return self._update(state, grad, momentum, nesterov, compiled, param, stacked, kernels)
 
     @abstractmethod
     def _update(
@@ -195,6 +198,7 @@ class MomentumCodec(ABC):
         compiled: bool,
         param: Tensor | None,
         stacked: bool,
+        kernels: bool | None,
     ) -> Tensor:
         """:meth:`update_` of this format (``grad`` has elements unless it communicates)."""
 
@@ -206,6 +210,7 @@ class MomentumCodec(ABC):
         nesterov: bool,
         compiled: bool = False,
         param: Tensor | None = None,
+        kernels: bool | None = None,
     ) -> list[Tensor]:
         """:meth:`update_` for same-shape parameters at once: their states and gradients are
         stacked, updated by one sequence of kernels, and copied back; each result equals the
@@ -213,7 +218,14 @@ class MomentumCodec(ABC):
         laid out alike)."""
         stacked = {k: torch.stack([s[k] for s in states]) for k in self.keys}
         directions = self.update_(
-            stacked, torch.stack(list(grads)), momentum, nesterov, compiled, param, stacked=True
+            stacked,
+            torch.stack(list(grads)),
+            momentum,
+            nesterov,
+            compiled,
+            param,
+            stacked=True,
+            kernels=kernels,
         )
         for key in self.keys:
             torch._foreach_copy_([s[key] for s in states], list(stacked[key].unbind()))
@@ -248,6 +260,7 @@ class ViewedCodec(MomentumCodec):
         compiled: bool,
         param: Tensor | None,
         stacked: bool,
+        kernels: bool | None,
     ) -> Tensor:
         flat = grad.reshape(-1)
         operands = self.operands(state)

@@ -114,6 +114,7 @@ class Fp8Codec(ViewedCodec):
         compiled: bool,
         param: Tensor | None,
         stacked: bool,
+        kernels: bool | None,
     ) -> Tensor:
         """``buf = lerp(codes + u w^T, grad)``, one power step for the new ``u, w``
         (:func:`~muon_plugin.lp.rank1.power_step`, which communicates for a sharded ``param``),

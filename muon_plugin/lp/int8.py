@@ -6,6 +6,9 @@ default block of 256 (torchao's). The math is torchao's low-bit optimizer-state 
 wraps the local codes and scales, no copy, in ``OptimState8bit``, dequantizes with its
 ``dequantize()``, updates the momentum in fp32 and requantizes in place with its ``copy_``
 (blockwise absmax scaling, the signed dynamic-tree map). Needs torchao (the ``lp`` extra).
+On CUDA with Triton, the same math runs as one fused kernel
+(:mod:`muon_plugin.kernels.quantized`): one pass over memory where eager torchao runs tens of
+kernels.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from muon_plugin.kernels.quantized import int8_kernel_applies, int8_momentum_
 from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
 from muon_plugin.lp.runtime import table
@@ -59,6 +63,25 @@ class Int8Codec(ViewedCodec):
 
     def layout(self, shape: tuple[int, ...]) -> Layout:
         return blocked_layout(shape, self.block_size, torch.uint8)
+
+    def _update(
+        self,
+        state: Mapping[str, Tensor],
+        grad: Tensor,
+        momentum: float,
+        nesterov: bool,
+        compiled: bool,
+        param: Tensor | None,
+        stacked: bool,
+        kernels: bool | None,
+    ) -> Tensor:
+        """The fused Triton kernel where it applies (one pass, torchao's math; see
+        :mod:`muon_plugin.kernels.quantized`), else torchao's ops, eager or compiled."""
+        codes, scales = state[CODES_KEY], state[SCALES_KEY]
+        if int8_kernel_applies(codes, scales, grad, kernels):
+            qmap = table("int8", _signed_qmap, codes.device)
+            return int8_momentum_(codes, scales, grad, qmap, momentum, nesterov)
+        return super()._update(state, grad, momentum, nesterov, compiled, param, stacked, kernels)
 
     def view(self, state: Mapping[str, Tensor]) -> Any:
         """The local state as torchao's ``OptimState8bit`` (1-D, sharing storage)."""

@@ -34,10 +34,18 @@ class QuantizedMomentum:
     """The parameter (a DTensor when sharded: fp8's rank-1 step communicates over its mesh)."""
     compiled: bool
 
-    def update_(self, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    def update_(
+        self, grad: Tensor, momentum: float, nesterov: bool, kernels: bool | None = None
+    ) -> Tensor:
         """Muon's momentum step on the state; the fp32 direction."""
         return self.codec.update_(
-            self.state, grad, momentum, nesterov, compiled=self.compiled, param=self.param
+            self.state,
+            grad,
+            momentum,
+            nesterov,
+            compiled=self.compiled,
+            param=self.param,
+            kernels=kernels,
         )
 
     def batch_key(self, grad: Tensor) -> Hashable:
@@ -99,13 +107,13 @@ def update_quantized_(
     nesterov: bool,
     kernels: bool | None = None,
 ) -> list[Tensor]:
-    """Stage 1 on quantized momentum, one stack per batch (``kernels`` does not apply: no
-    grouped Triton kernel here)."""
+    """Stage 1 on quantized momentum, one stack per batch (``kernels``: whether a format's
+    fused Triton kernel may run, the group's orthogonalization backend's call)."""
     out: list[Tensor | None] = [None] * len(grads)
     for idx in batches(grads, momenta):
         first = momenta[idx[0]]
         if len(idx) == 1:
-            out[idx[0]] = first.update_(grads[idx[0]], momentum, nesterov)
+            out[idx[0]] = first.update_(grads[idx[0]], momentum, nesterov, kernels)
             continue
         directions = first.codec.update_batch_(
             [momenta[i].state for i in idx],
@@ -114,6 +122,7 @@ def update_quantized_(
             nesterov,
             compiled=first.compiled,
             param=first.param,
+            kernels=kernels,
         )
         for i, direction in zip(idx, directions, strict=True):
             out[i] = direction

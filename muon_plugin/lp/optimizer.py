@@ -56,10 +56,12 @@ class MuonLP(MuonForeach):
     and local shape are updated as one stack (:mod:`muon_plugin.lp.momentum`: the same results
     as one at a time, with fewer kernels). fp8 adds one power-iteration step per
     matrix and step for its rank-1 part (two matrix-vector products; on a sharded parameter
-    two small all-reduces over the mesh dims that shard it, once per stack). ``compile=True``
-    also compiles this update (one fused graph per stack size, two for fp8, whose power step
-    runs between them); use it for speed, since eager requantization runs torchao's ops as
-    tens of small kernels per stack.
+    two small all-reduces over the mesh dims that shard it, once per stack). On CUDA with
+    Triton, int8's update is one fused kernel (one pass over memory, torchao's math:
+    :mod:`muon_plugin.kernels.quantized`), allowed by the orthogonalization backend as the
+    elementwise kernels are. Elsewhere ``compile=True`` compiles the update (one fused graph
+    per stack size, two for fp8, whose power step runs between them); use it for speed there,
+    since eager requantization runs torchao's ops as tens of small kernels per stack.
 
     Memory per Muon parameter element: int8 1 byte + 4 bytes per block (1.016 at 256), fp8 the
     same plus 2 bytes per row and per column (1.018 for 1024 x 4096), int4 0.5 + 1/16 + 2/256 =

@@ -1,0 +1,70 @@
+"""Fused kernels for low-precision Muon momentum (Triton on CUDA): int8 codes with an fp32
+absmax per block, torchao's format (:mod:`muon_plugin.lp.int8`).
+
+:func:`int8_kernel_applies` says whether a tensor set can take the kernel (Triton enabled, one
+CUDA device, contiguous, a grad dtype the kernel reads, a power-of-two block size of at most
+:data:`MAX_BLOCK`); :func:`int8_momentum_` runs it. Whether kernels may run at all is the
+orthogonalization backend's call, passed as ``enabled`` (None: ``MUON_PLUGIN_DISABLE_TRITON``
+decides, read at the call), as for :mod:`muon_plugin.kernels.elementwise`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from muon_plugin.kernels.elementwise import KERNEL_DTYPES
+from muon_plugin.kernels.symmetric import triton_available, triton_kernels_enabled
+
+MAX_BLOCK = 4096
+"""Largest block size the kernel takes (one block per program)."""
+
+
+@functools.cache
+def _module() -> ModuleType:
+    from muon_plugin.kernels import _quantized_triton
+
+    return _quantized_triton
+
+
+def int8_kernel_applies(
+    codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, enabled: bool | None = None
+) -> bool:
+    """Whether :func:`int8_momentum_` takes these local state and grad tensors.
+
+    CPU tensors qualify only under ``TRITON_INTERPRET=1`` (Triton's interpreter).
+    """
+    allowed = triton_kernels_enabled() if enabled is None else enabled and triton_available()
+    if not allowed or not scales.numel() or codes.numel() != grad.numel():
+        return False
+    block = codes.numel() // scales.numel()
+    on_device = codes.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (
+        on_device
+        and grad.device == codes.device == scales.device
+        and grad.dtype in KERNEL_DTYPES
+        and scales.dtype == torch.float32
+        and block * scales.numel() == codes.numel()
+        and block & (block - 1) == 0
+        and block <= MAX_BLOCK
+        and codes.is_contiguous()
+        and scales.is_contiguous()
+        and grad.is_contiguous()
+    )
+
+
+def int8_momentum_(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grad: torch.Tensor,
+    qmap: torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+) -> torch.Tensor:
+    """Muon's momentum step on int8 state (``codes`` uint8, ``scales`` fp32 a block, ``qmap``
+    the 256 fp32 levels) in place, in one pass; returns the fp32 direction shaped like
+    ``grad``. The tensors must satisfy :func:`int8_kernel_applies`."""
+    return _module().int8_momentum(codes, scales, grad, qmap, momentum, nesterov)

@@ -1,0 +1,88 @@
+"""Autotuned kernel configs kept on disk, so that a new process skips the autotuning.
+
+Autotuning the symmetric kernel times every candidate config for every new shape: seconds on
+the first step of every process. The winners are stored in one JSON file per GPU model and
+Triton version (``autotune-<gpu>-triton<version>.json``), under a key of the kernel's source
+hash and the launch key (shape, dtypes, flags); a changed kernel, another GPU or another
+Triton looks up other keys, so a stale entry is never used.
+
+Location: ``$MUON_PLUGIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/muon_plugin``, else
+``~/.cache/muon_plugin``. ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns it off (then every process
+autotunes, as Triton does by default). An unreadable or unwritable file is ignored: the kernel
+then autotunes as if there were no file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("muon_plugin.kernels")
+
+
+def cache_dir() -> Path:
+    """Where the tables live (see the module docstring)."""
+    explicit = os.environ.get("MUON_PLUGIN_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "muon_plugin"
+
+
+def enabled() -> bool:
+    """False when ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` (read at the call)."""
+    return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE", "1") != "0"
+
+
+class TuningCache:
+    """The table of one GPU model and Triton version, read once and written on each new entry."""
+
+    def __init__(self, gpu: str, triton_version: str) -> None:
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-triton{triton_version}").strip("-")
+        self.path = cache_dir() / f"autotune-{name}.json"
+        self._entries: dict[str, dict[str, Any]] | None = None
+
+    @staticmethod
+    def entry_key(kernel_hash: str, key: tuple) -> str:
+        """The kernel's source hash and the launch key, as a string."""
+        return f"{kernel_hash}|{key!r}"
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                data = json.loads(self.path.read_text())
+                if isinstance(data, dict):
+                    self._entries = {k: v for k, v in data.items() if isinstance(v, dict)}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError) as e:
+                logger.warning("ignoring the autotune cache %s (%s)", self.path, e)
+        return self._entries
+
+    def get(self, kernel_hash: str, key: tuple) -> dict[str, Any] | None:
+        """The stored config for this kernel and launch key, or None."""
+        if not enabled():
+            return None
+        return self._load().get(self.entry_key(kernel_hash, key))
+
+    def put(self, kernel_hash: str, key: tuple, config: dict[str, Any]) -> None:
+        """Store a config (merged with what the file holds now, written atomically)."""
+        if not enabled():
+            return
+        self._entries = None  # pick up what other processes wrote meanwhile
+        entries = self._load()
+        entries[self.entry_key(kernel_hash, key)] = config
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not write the autotune cache %s (%s)", self.path, e)

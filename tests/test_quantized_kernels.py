@@ -1,0 +1,38 @@
+"""The fused int8 momentum kernel (muon_plugin.kernels.quantized) equals torchao's ops.
+
+The Triton interpreter runs in a subprocess (TRITON_INTERPRET must be set before triton is
+imported): the helper module tests/kernel_interpreter_quantized.py. The GPU comparison is in
+tests/test_lp_int8.py (CUDA only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from muon_plugin.kernels import triton_available
+from muon_plugin.kernels.quantized import int8_kernel_applies
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_int8_momentum_kernel_matches_torchao_ops():
+    pytest.importorskip("torchao")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
+    script = REPO / "tests" / "kernel_interpreter_quantized.py"
+    res = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_cpu_tensors_take_the_torchao_ops(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    codes, scales = torch.zeros(8, 512, dtype=torch.uint8), torch.zeros(8, 2)
+    assert not int8_kernel_applies(codes, scales, torch.zeros(8, 512), True)
