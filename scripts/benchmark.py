@@ -1,18 +1,23 @@
 #!/usr/bin/env python
 """Benchmark muon_plugin: symmetric kernels, the orthogonalization loop, optimizer.step(), memory.
 
-One run, one process. Sections (``--sections``, default all):
+One run, one process (``--repeats N``: N runs, each in its own process, every figure reported
+as the median of the runs with their range). Sections (``--sections``, default all):
 
 1. ``kernels``: the Triton symmetric Gram kernel ``symmetric_matmul(X)`` against cuBLAS
    ``X @ X.mT`` (bf16), what the ``gram`` dispatcher picks and whether it is ever slower than
    cuBLAS, and the epilogue form ``c * A @ A + b * A`` on the square Gram matrices.
 2. ``ortho``: ``zeropower`` per strategy (polar_express, newton_schulz; 5 steps), ms and achieved
    TFLOP/s (plain-matmul count: ``4 m^2 n + 2 m^3`` per step, m <= n) against a bf16 matmul
-   peak measured in the same run.
+   peak measured in the same run; accuracy: relative distance to the fp64 iteration and to the
+   exact polar factor (fp64) on a Gaussian and on a low-rank-plus-noise input, each path
+   checked against the plain bf16 loop (never farther from the polar factor).
 3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
-   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, compiled), torch's
-   Muon, a naive per-parameter reference Muon, fused AdamW, the elementwise part of our step
-   alone, and any importable peer (dion, muonium, dtensor_muon).
+   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, MuonLP int8 and
+   int4 at default settings, compiled), torch's Muon, a naive per-parameter reference Muon,
+   fused AdamW, the elementwise part of our step alone, and any importable peer (dion,
+   muonium, dtensor_muon); then the Llama slice with bf16 params and grads (what FSDP's mixed
+   precision with bf16 parameters hands over) for a few of those rows.
 4. ``memory``: optimizer-state bytes (per parameter) and the peak allocated memory of a step.
 
 On a CUDA GPU the full sizes are used (``--quick``: small ones); on the CPU small shapes (matrix
@@ -22,7 +27,7 @@ are skipped. Timing: ``triton.testing.do_bench`` medians (CUDA events when trito
 ``time.perf_counter`` medians on the CPU.
 
     python scripts/benchmark.py [--quick] [--sections kernels,ortho,step,memory]
-        [--results RESULTS.md] [--json rows.json] [--device auto|cpu|cuda]
+        [--results RESULTS.md] [--json rows.json] [--device auto|cpu|cuda] [--repeats N]
 
 Prints its tables; only with ``--results PATH`` does it write them, into its own section of
 that file (between ``<!-- benchmark:start -->`` and ``<!-- benchmark:end -->``), keeping
@@ -42,6 +47,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -389,6 +395,65 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:
+    """(name, fn of the input, environment, the fp64 loop it computes) for one input shape:
+    the default path, Newton-Schulz, the plain bf16 loop, the default path on cuBLAS alone
+    (where the Gram-space path runs, which is cuBLAS-only otherwise), the naive reference."""
+    variants: list[tuple[str, Callable[[torch.Tensor], Any], dict, str]] = [
+        ("polar_express", lambda X: zeropower(X, 5, "polar_express"), {}, "polar_express"),
+        ("newton_schulz", lambda X: zeropower(X, 5, "newton_schulz"), {}, "newton_schulz"),
+    ]
+    variants.append(
+        (
+            PLAIN_LOOP,
+            lambda X: zeropower(X, 5, "polar_express", gram_space=False),
+            {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+            "polar_express",
+        )
+    )
+    if use_triton and use_gram_iteration(G.reshape(-1, *G.shape[-2:]).to(torch.bfloat16)):
+        variants.append(
+            (
+                "polar_express, cuBLAS only",
+                lambda X: zeropower(X, 5, "polar_express"),
+                {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+                "polar_express",
+            )
+        )
+    variants.append(
+        ("naive eager NS (reference)", lambda X: naive_newton_schulz(X, 5), {}, "newton_schulz")
+    )
+    return variants
+
+
+PLAIN_LOOP = "polar_express, plain bf16 loop"
+"""The plain bf16 loop (no Gram space, cuBLAS only): the accuracy every fast path must keep."""
+
+
+def low_rank_plus_noise(shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
+    """A gradient-like input: rank min(m, n) / 32 with decaying singular values, plus 1% noise."""
+    *batch, m, n = shape
+    r = max(1, min(m, n) // 32)
+    U = torch.randn(*batch, m, r, device=device, generator=gen)
+    V = torch.randn(*batch, r, n, device=device, generator=gen)
+    decay = torch.logspace(0, -2, r, device=device).view(*([1] * len(batch)), 1, r)
+    low = (U * decay) @ V
+    noise = torch.randn(shape, device=device, generator=gen)
+    return low / low.norm() + 0.01 * noise / noise.norm()
+
+
+def exact_polar(G: torch.Tensor) -> torch.Tensor:
+    """The polar factor U V^T of G (thin SVD), in fp64 through the eigendecomposition of the
+    smaller Gram matrix: (G G^T)^(-1/2) G."""
+    X = G.double()
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    lam, V = torch.linalg.eigh(X @ X.mT)
+    inv_sqrt = lam.clamp_min(lam.amax(-1, keepdim=True) * 1e-24).rsqrt()
+    P = (V * inv_sqrt.unsqueeze(-2)) @ V.mT @ X
+    return P.mT if tall else P
+
+
 def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, log) -> list[dict]:
     S, use_triton, _ = _kernel_module()
     use_triton = use_triton and device.type == "cuda"
@@ -398,45 +463,18 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
         G = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)  # fp32, as
         flops = ns_flops(shape)  # the optimizer hands over momentum directions
         refs = {s: float64_loop(G, s) for s in ("polar_express", "newton_schulz")}
-        # (name, fn, env, the fp64 loop it computes)
-        variants: list[tuple[str, Callable[[], Any], dict, str]] = [
-            ("polar_express", lambda G=G: zeropower(G, 5, "polar_express"), {}, "polar_express"),
-            ("newton_schulz", lambda G=G: zeropower(G, 5, "newton_schulz"), {}, "newton_schulz"),
-        ]
-        if use_gram_iteration(G.reshape(-1, *G.shape[-2:]).to(torch.bfloat16)):
-            variants.append(
-                (
-                    "polar_express, plain loop (no Gram space)",
-                    lambda G=G: zeropower(G, 5, "polar_express", gram_space=False),
-                    {},
-                    "polar_express",
-                )
-            )
-        if use_triton:
-            variants.append(
-                (
-                    "polar_express, cuBLAS only",
-                    lambda G=G: zeropower(G, 5, "polar_express"),
-                    {"MUON_PLUGIN_DISABLE_TRITON": "1"},
-                    "polar_express",
-                )
-            )
-        variants.append(
-            (
-                "naive eager NS (reference)",
-                lambda G=G: naive_newton_schulz(G, 5),
-                {},
-                "newton_schulz",
-            )
-        )
-        for name, fn, env, loop in variants:
+        L = low_rank_plus_noise(shape, gen, device)
+        polar = {"gauss": exact_polar(G), "low_rank": exact_polar(L)}
+        for name, fn, env, loop in ortho_variants(G, use_triton):
             row: dict[str, Any] = {"section": "ortho", "shape": fmt_shape(shape), "name": name}
             try:
                 with contextlib.ExitStack() as stack:
                     for k, v in env.items():
                         stack.enter_context(env_var(k, v))
-                    ms = timer.bench(fn)
-                    row["err_fp64"] = rel_err(fn(), refs[loop])
+                    ms = timer.bench(lambda fn=fn, G=G: fn(G))
+                    row["err_fp64"] = rel_err(fn(G), refs[loop])
+                    row["polar_err_gauss"] = rel_err(fn(G), polar["gauss"])
+                    row["polar_err_low_rank"] = rel_err(fn(L), polar["low_rank"])
                 row.update(ms=ms, tflops=flops / ms * 1e-9, flops=flops)
                 row["pct_peak"] = 100.0 * row["tflops"] / peak["tflops"]
                 row["floor_ms"] = flops / (peak["tflops"] * 1e9)
@@ -445,9 +483,27 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
                 traceback.print_exc()
             rows.append(row)
             log("  " + ortho_line(row))
-        del G, refs
+        check_accuracy(rows, fmt_shape(shape), log)
+        del G, L, refs, polar
         free_memory()
     return rows
+
+
+def check_accuracy(rows: list[dict], shape: str, log) -> None:
+    """Mark each polar_express row whose distance to the exact polar factor exceeds the plain
+    bf16 loop's (by more than 1%, the spread of bf16 rounding between runs)."""
+    mine = [r for r in rows if r["shape"] == shape and "error" not in r]
+    plain = next((r for r in mine if r["name"] == PLAIN_LOOP), None)
+    if plain is None:
+        return
+    for r in mine:
+        if not r["name"].startswith("polar_express"):
+            continue
+        r["as_accurate_as_plain"] = all(
+            r[k] <= plain[k] * 1.01 for k in ("polar_err_gauss", "polar_err_low_rank")
+        )
+        if not r["as_accurate_as_plain"]:
+            log(f"  ! {shape} {r['name']}: farther from the exact polar factor than the plain loop")
 
 
 def float64_loop(G: torch.Tensor, strategy: str, steps: int = 5) -> torch.Tensor:
@@ -469,7 +525,9 @@ def ortho_line(r: dict) -> str:
     return (
         f"{r['shape']:>14} {r['name']:<28} {r['ms']:9.3f} ms  {tf(r['tflops']):>7} TFLOP/s  "
         f"{r['pct_peak']:5.1f}% of peak (floor {r['floor_ms']:.3f} ms)  "
-        f"err vs fp64 loop {r.get('err_fp64', float('nan')):.2e}"
+        f"err vs fp64 loop {r.get('err_fp64', float('nan')):.2e}  vs exact polar: gauss "
+        f"{r.get('polar_err_gauss', float('nan')):.4f}, low rank "
+        f"{r.get('polar_err_low_rank', float('nan')):.4f}"
     )
 
 
@@ -571,16 +629,27 @@ class Workload:
         return sum(ns_flops(tuple(p.shape)) for p in self.params)
 
 
-def make_workload(name: str, shapes, device: torch.device, iters: int) -> Workload:
+def make_workload(
+    name: str, shapes, device: torch.device, iters: int, dtype: torch.dtype = torch.float32
+) -> Workload:
     gen = torch.Generator(device=device).manual_seed(2)
     params = []
     for _, shape in shapes:
-        p = torch.nn.Parameter(
-            torch.randn(shape, device=device, dtype=torch.float32, generator=gen) * 0.02
-        )
-        p.grad = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+        p = torch.nn.Parameter((torch.randn(shape, device=device, generator=gen) * 0.02).to(dtype))
+        p.grad = torch.randn(shape, device=device, generator=gen).to(dtype)
         params.append(p)
     return Workload(name, params, iters)
+
+
+BF16_ROWS = (
+    "MuonForeach (polar_express)",
+    "MuonLP (int8)",
+    "torch.optim.Muon",
+    "AdamW(fused=True)",
+    "MuonForeach elementwise only",
+)
+"""The rows timed on the bf16 workload (bf16 params and grads, as FSDP's mixed precision with
+bf16 parameters hands them over)."""
 
 
 @contextlib.contextmanager
@@ -641,6 +710,21 @@ def peer_rows() -> list[Row]:
     return rows
 
 
+def lp_rows() -> list[Row]:
+    """MuonLP at its default settings per momentum format (skipped without torchao)."""
+    try:
+        from muon_plugin.lp import MuonLP, require_torchao
+
+        require_torchao("int8")
+    except Exception as e:
+        why = f"MuonLP not importable ({type(e).__name__})"
+        return [Row(f"MuonLP ({d})", "ours", None, skip=why) for d in ("int8", "int4")]
+    return [
+        Row(f"MuonLP ({d})", "ours", lambda ps, d=d: MuonLP(ps, lr=LR, wd=WD, state_dtype=d))
+        for d in ("int8", "int4")
+    ]
+
+
 def optimizer_rows(cfg: Config) -> list[Row]:
     rows = [
         Row(
@@ -656,6 +740,7 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             required=True,
         ),
         Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),
+        *lp_rows(),
         Row(
             "MuonForeach, no Gram space",
             "ours",
@@ -795,29 +880,27 @@ def section_step(
 ) -> tuple[list[dict], list[dict]]:
     if cfg.compile_row:
         with contextlib.suppress(Exception):
-            import torch._dynamo
+            from torch._dynamo import config as dynamo_config
 
             for attr in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, attr):
-                    setattr(
-                        torch._dynamo.config, attr, max(64, getattr(torch._dynamo.config, attr))
-                    )
+                if hasattr(dynamo_config, attr):
+                    setattr(dynamo_config, attr, max(64, getattr(dynamo_config, attr)))
+    llama = "llama3-8b-4L" if cfg.full else f"llama3-8b-{cfg.llama_layers}L/{cfg.div}"
+    llama_mats = llama_shapes(cfg.llama_layers, cfg.div)
     specs = [
-        (
-            "llama3-8b-4L" if cfg.full else f"llama3-8b-{cfg.llama_layers}L/{cfg.div}",
-            llama_shapes(cfg.llama_layers, cfg.div),
-            cfg.step_iters_large,
-        ),
+        (llama, llama_mats, cfg.step_iters_large, torch.float32),
         (
             "gpt-125m" if cfg.full else f"gpt-125m-{cfg.gpt_layers}L/{cfg.div}",
             gpt_shapes(cfg.gpt_layers, cfg.div),
             cfg.step_iters_small,
+            torch.float32,
         ),
+        (f"{llama} bf16", llama_mats, cfg.step_iters_large, torch.bfloat16),
     ]
     step_rows: list[dict] = []
     mem_rows: list[dict] = []
-    for wl_name, shapes, iters in specs:
-        wl = make_workload(wl_name, shapes, device, iters)
+    for wl_name, shapes, iters, dtype in specs:
+        wl = make_workload(wl_name, shapes, device, iters, dtype)
         floor = (wl.flops / (peak["tflops"] * 1e9)) if peak else None
         log(
             f"  workload {wl.name}: {len(wl.params)} matrices, {wl.n_params / 1e6:.1f} M params, "
@@ -826,6 +909,8 @@ def section_step(
         )
         rows = []
         for row in optimizer_rows(cfg):
+            if dtype != torch.float32 and row.name not in BF16_ROWS:
+                continue
             r = run_row(row, wl, cfg, timer, timed, mem)
             r["required"] = row.required
             r["n_params"] = wl.n_params
@@ -893,6 +978,15 @@ def fmt(v: Any, spec: str = ".3f", none: str = "-") -> str:
     return str(v)
 
 
+def spread(r: dict, key: str, spec: str = ".3f") -> str:
+    """``r[key]``, with the range over repeated runs where there is one: ``median (min-max)``."""
+    value = fmt(r.get(key), spec)
+    rng = r.get(f"{key}_range")
+    if value == "-" or not rng or rng[0] == rng[1]:
+        return value
+    return f"{value} ({rng[0]:{spec}}-{rng[1]:{spec}})"
+
+
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -939,21 +1033,33 @@ def kernel_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def ortho_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    h = ["shape", "variant", "ms", "TFLOP/s", "% of peak", "plain-matmul floor ms", "err vs fp64"]
+    h = [
+        "shape",
+        "variant",
+        "ms",
+        "TFLOP/s",
+        "% of peak",
+        "plain-matmul floor ms",
+        "err vs fp64 loop",
+        "err vs exact polar, Gaussian",
+        "err vs exact polar, low rank + noise",
+    ]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["shape"], r["name"], "ERROR " + r["error"][:60], "", "", "", ""])
+            body.append([r["shape"], r["name"], "ERROR " + r["error"][:60], *[""] * 6])
             continue
         body.append(
             [
                 r["shape"],
                 r["name"],
-                fmt(r["ms"]),
+                spread(r, "ms"),
                 tf(r["tflops"]),
                 fmt(r["pct_peak"], ".1f"),
                 fmt(r["floor_ms"]),
                 fmt(r.get("err_fp64"), ".1e"),
+                fmt(r.get("polar_err_gauss"), ".4f"),
+                fmt(r.get("polar_err_low_rank"), ".4f"),
             ]
         )
     return h, body
@@ -978,10 +1084,10 @@ def step_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             [
                 r["workload"],
                 r["name"],
-                fmt(r.get("ms")),
+                spread(r, "ms"),
                 fmt(r.get("speedup_vs_torch"), ".2f"),
                 fmt(r.get("speedup_vs_naive"), ".2f"),
-                fmt(r.get("first_step_ms"), ".1f"),
+                spread(r, "first_step_ms", ".1f"),
                 note,
             ]
         )
@@ -1007,8 +1113,8 @@ def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 r["name"],
                 fmt(r.get("state_mib"), ".1f"),
                 fmt(r.get("state_bytes_per_param"), ".2f"),
-                fmt(r.get("step_peak_mib"), ".0f"),
-                fmt(r.get("first_step_peak_mib"), ".0f"),
+                spread(r, "step_peak_mib", ".0f"),
+                spread(r, "first_step_peak_mib", ".0f"),
             ]
         )
     return h, body
@@ -1067,6 +1173,11 @@ def markdown_section(meta: dict, results: dict[str, list[dict]], peak: dict | No
         "- times are medians; `optimizer.step()` is timed step by step after warm-up; "
         "ratios > 1 mean faster than the reference row"
     )
+    if meta.get("runs", 1) > 1:
+        out.append(
+            f"- {meta['runs']} runs in separate processes: each figure is the median of the "
+            "runs' figures, with their range in parentheses"
+        )
     for key, title, table in (
         ("kernels", "Symmetric Gram kernel vs cuBLAS (bf16)", kernel_table),
         (
@@ -1074,7 +1185,7 @@ def markdown_section(meta: dict, results: dict[str, list[dict]], peak: dict | No
             "Orthogonalization, 5 steps (FLOPs counted as plain matmuls; Gram-space runs fewer)",
             ortho_table,
         ),
-        ("step", "optimizer.step() (fp32 params and grads)", step_table),
+        ("step", "optimizer.step() (fp32 params and grads; the bf16 workload: bf16)", step_table),
         ("memory", "Optimizer memory", memory_table),
     ):
         if key in results:
@@ -1205,6 +1316,13 @@ def parse_args(argv: list[str] | None):
         "without it nothing is written",
     )
     p.add_argument("--json", type=Path, help="write all rows to this JSON file")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the benchmark this many times, each in its own process, and report every "
+        "figure as the median of the runs with their range",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_mutually_exclusive_group()
     g.add_argument(
@@ -1274,9 +1392,81 @@ def write_outputs(args, meta: dict, results: dict, peak, log) -> None:
         log(f"updated {args.results}")
 
 
+RUN_KEYS = ("section", "workload", "shape", "kind", "name")
+"""The fields that name a row (the same row in every run)."""
+
+
+def child_command(raw_argv: list[str], json_path: Path) -> list[str]:
+    """This run's command line without --repeats, --results and --json, writing ``json_path``."""
+    out, skip = [], False
+    for a in raw_argv[1:]:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--repeats", "--results", "--json"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return [sys.executable, str(Path(__file__).resolve()), *out, "--json", str(json_path)]
+
+
+def aggregate(runs: list[list[dict]]) -> list[dict]:
+    """One row per row of the runs: numbers are the median over the runs where the row has
+    them, with ``<field>_range`` (min, max) and ``runs``; everything else from the first run."""
+    merged: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for r in rows:
+            merged.setdefault(tuple(r.get(k) for k in RUN_KEYS), []).append(r)
+    out = []
+    for same in merged.values():
+        row = dict(same[0])
+        for key, value in same[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values = [r[key] for r in same if isinstance(r.get(key), (int, float))]
+                row[key] = statistics.median(values)
+                row[f"{key}_range"] = (min(values), max(values))
+        row["runs"] = len(same)
+        out.append(row)
+    return out
+
+
+def run_repeats(args, raw_argv: list[str]) -> int:
+    """``--repeats N``: N runs in separate processes, then the medians and ranges."""
+    import tempfile
+
+    runs, metas, status = [], [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            path = Path(tmp) / f"run{i}.json"
+            print(f"\n===== run {i + 1} of {args.repeats} (its own process) =====", flush=True)
+            rc = subprocess.run(child_command(raw_argv, path)).returncode
+            status = status or rc
+            if path.exists():
+                data = json.loads(path.read_text())
+                runs.append(data["rows"])
+                metas.append(data["meta"])
+    if not runs:
+        print("benchmark: no run produced results", file=sys.stderr)
+        return status or 1
+    rows = aggregate(runs)
+    meta = {**metas[0], "runs": len(runs), "command": shlex.join(["python", *raw_argv])}
+    meta["dates"] = [m["date"] for m in metas]
+    sections = [s for s in SECTIONS if any(r.get("section") == s for r in rows)]
+    results = {s: [r for r in rows if r.get("section") == s] for s in sections}
+    peak = next((r for r in rows if r.get("section") == "peak"), None)
+    cfg = make_config(bool(meta.get("gpu")), args.quick, False)
+    print(summary(results, peak, meta, cfg), flush=True)
+    args.sections = sections
+    write_outputs(args, meta, results, peak, lambda msg: print(msg, flush=True))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     raw_argv = sys.argv if argv is None else ["scripts/benchmark.py", *argv]
     args = parse_args(argv)
+    if args.repeats > 1:
+        return run_repeats(args, raw_argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmark: --device cuda but no CUDA GPU is available", file=sys.stderr)
         return 2

@@ -79,15 +79,27 @@ def test_benchmark_quick_cpu(tmp_path):
     ):
         assert required in names, f"missing step row {required!r}: {sorted(names)}"
     assert all(r["ms"] > 0 for r in step)
-    assert {r["workload"] for r in step} and len({r["workload"] for r in step}) == 2
+    workloads = {r["workload"] for r in step}
+    assert len(workloads) == 3, workloads  # Llama and GPT-125M in fp32, Llama in bf16
+    bf16 = {r["name"] for r in step if r["workload"].endswith(" bf16")}
+    assert {"MuonForeach (polar_express)", "AdamW(fused=True)"} <= bf16, bf16
 
     ortho = [r for r in rows if r.get("section") == "ortho" and "ms" in r]
-    assert {r["name"] for r in ortho} >= {"polar_express", "newton_schulz"}
+    assert {r["name"] for r in ortho} >= {
+        "polar_express",
+        "newton_schulz",
+        "polar_express, plain bf16 loop",
+    }
     assert all(r["tflops"] > 0 and r["pct_peak"] > 0 for r in ortho)
+    # The accuracy columns: distance to the exact (fp64) polar factor on two kinds of input;
+    # the default path is never farther from it than the plain bf16 loop.
+    assert all(0 < r["polar_err_gauss"] < 1 and 0 < r["polar_err_low_rank"] < 1 for r in ortho)
+    default = [r for r in ortho if r["name"] == "polar_express"]
+    assert default and all(r["as_accurate_as_plain"] for r in default)
 
     mem = [r for r in rows if r.get("section") == "memory" and "state_bytes_per_param" in r]
-    by_name = {r["name"]: r["state_bytes_per_param"] for r in mem}
-    # One fp32 momentum buffer for Muon, two fp32 moments for AdamW.
+    by_name = {r["name"]: r["state_bytes_per_param"] for r in mem if "bf16" not in r["workload"]}
+    # One fp32 momentum buffer for Muon, two fp32 moments for AdamW (fp32 params).
     assert abs(by_name["MuonForeach (polar_express)"] - 4.0) < 0.1
     assert abs(by_name["AdamW(fused=True)"] - 8.0) < 0.1
 
@@ -120,3 +132,23 @@ def test_results_section_is_replaced_in_place(tmp_path):
     assert "intro" in text and "other" in text and "second" in text
     assert "first" not in text
     assert text.count(benchmark.MARK_START) == 1
+
+
+def test_repeats_report_medians_and_ranges():
+    """``--repeats``: each child runs the same command in its own process; rows are matched by
+    name across runs, numbers become medians with their range."""
+    benchmark = load_script()
+    argv = ["scripts/benchmark.py", "--quick", "--repeats", "3", "--results=R.md", "--json", "x"]
+    cmd = benchmark.child_command(argv, Path("/tmp/run0.json"))
+    assert cmd[2:] == ["--quick", "--json", "/tmp/run0.json"]
+    run = lambda ms, peak: [  # noqa: E731
+        {"section": "step", "workload": "w", "name": "A", "ms": ms, "required": True},
+        {"section": "memory", "workload": "w", "name": "A", "step_peak_mib": peak},
+    ]
+    rows = benchmark.aggregate([run(3.0, 10.0), run(1.0, 30.0), run(2.0, 20.0)])
+    step = next(r for r in rows if r["section"] == "step")
+    assert step["ms"] == 2.0 and step["ms_range"] == (1.0, 3.0) and step["runs"] == 3
+    assert step["required"] is True  # flags are not averaged
+    assert benchmark.spread(step, "ms") == "2.000 (1.000-3.000)"
+    mem = next(r for r in rows if r["section"] == "memory")
+    assert mem["step_peak_mib"] == 20.0 and mem["step_peak_mib_range"] == (10.0, 30.0)
