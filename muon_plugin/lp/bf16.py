@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from muon_plugin.lp.codec import Layout, MomentumCodec
+from muon_plugin.lp.codec import Layout, MomentumCodec, MomentumStep
 from muon_plugin.lp.keys import BUFFER_KEY
 from muon_plugin.lp.runtime import run
 
@@ -55,18 +55,7 @@ class Bf16Codec(MomentumCodec):
     def encode_(self, state: Mapping[str, Tensor], dense: Tensor) -> None:
         state[BUFFER_KEY].copy_(dense)
 
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-        kernels: bool | None,
-    ) -> Tensor:
-        buf = state[BUFFER_KEY].view(-1)
-        return run(dense_update, compiled, buf, grad.reshape(-1), momentum, nesterov).view(
-            grad.shape
-        )
+    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
+        buf, flat = state[BUFFER_KEY].view(-1), grad.reshape(-1)
+        out = run(dense_update, step.compiled, buf, flat, step.momentum, step.nesterov)
+        return out.view(grad.shape)

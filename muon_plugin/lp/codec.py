@@ -45,6 +45,24 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass(frozen=True)
+class MomentumStep:
+    """The settings of one momentum update (the same for every parameter of a stack)."""
+
+    momentum: float
+    nesterov: bool
+    compiled: bool = False
+    """Run the update function under ``torch.compile``."""
+    param: Tensor | None = None
+    """The parameter (a DTensor when sharded): which dims are sharded, for a format whose
+    update communicates."""
+    stacked: bool = False
+    """The state and grad carry a leading dim of same-shape parameters."""
+    kernels: bool | None = None
+    """Whether a format's fused Triton kernel may run (the orthogonalization backend's call;
+    None: ``MUON_PLUGIN_DISABLE_TRITON`` decides)."""
+
+
+@dataclass(frozen=True)
 class MomentumCodec(ABC):
     """One momentum format at one block size (0 where it has no blocks)."""
 
@@ -176,30 +194,17 @@ class MomentumCodec(ABC):
     ) -> Tensor:
         """Muon's momentum step on the local state, in place; the fp32 direction (grad's shape).
 
-        ``param`` (the parameter, a DTensor when sharded) says which dims are sharded, for a
-        format whose step communicates (every rank of a sharded parameter must then call this).
-        ``stacked``: ``state`` and ``grad`` carry a leading dim of same-shape parameters
-        (:meth:`update_batch_`). ``kernels``: whether a format's fused Triton kernel may run
-        (the orthogonalization backend's call; None: ``MUON_PLUGIN_DISABLE_TRITON`` decides).
-        An empty local shard has nothing to update: its direction is
-        empty (formats that communicate still join their collectives).
+        The keyword settings are :class:`MomentumStep`'s. An empty local shard has nothing to
+        update: its direction is empty (formats that communicate still join their
+        collectives).
         """
         if grad.numel() == 0 and not self.communicates:
             return torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-        return self._update(state, grad, momentum, nesterov, compiled, param, stacked, kernels)
+        step = MomentumStep(momentum, nesterov, compiled, param, stacked, kernels)
+        return self._update(state, grad, step)
 
     @abstractmethod
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-        kernels: bool | None,
-    ) -> Tensor:
+    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         """:meth:`update_` of this format (``grad`` has elements unless it communicates)."""
 
     def update_batch_(
@@ -251,20 +256,11 @@ class ViewedCodec(MomentumCodec):
         """What :attr:`update_fn` updates: the :meth:`view` of the state."""
         return (self.view(state),)
 
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-        kernels: bool | None,
-    ) -> Tensor:
+    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         flat = grad.reshape(-1)
         operands = self.operands(state)
-        return run(self.update_fn, compiled, *operands, flat, momentum, nesterov).view(grad.shape)
+        fn, compiled = self.update_fn, step.compiled
+        return run(fn, compiled, *operands, flat, step.momentum, step.nesterov).view(grad.shape)
 
     def decode(self, state: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
         codes = state[self.codes_key]

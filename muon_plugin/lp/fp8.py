@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement
 
-from muon_plugin.lp.codec import Layout, ViewedCodec
+from muon_plugin.lp.codec import Layout, MomentumStep, ViewedCodec
 from muon_plugin.lp.int8 import blocked_layout
 from muon_plugin.lp.keys import CODES_KEY, FACTOR_KEYS, SCALES_KEY, U_KEY, W_KEY
 from muon_plugin.lp.rank1 import (
@@ -105,17 +105,7 @@ class Fp8Codec(ViewedCodec):
             state[key].fill_(FRESH_FACTORS[key])
         super().encode_(state, dense)
 
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-        kernels: bool | None,
-    ) -> Tensor:
+    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         """``buf = lerp(codes + u w^T, grad)``, one power step for the new ``u, w``
         (:func:`~muon_plugin.lp.rank1.power_step`, which communicates for a sharded ``param``),
         then the residual ``buf - u w^T`` requantized; returns the direction. An empty shard
@@ -125,10 +115,11 @@ class Fp8Codec(ViewedCodec):
         if codes is None:
             buf = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
         else:
-            buf = run(fp8_momentum, compiled, codes, u, w, grad, momentum)
-        new_u, new_w = power_step(buf, w, param, stacked)
+            buf = run(fp8_momentum, step.compiled, codes, u, w, grad, step.momentum)
+        new_u, new_w = power_step(buf, w, step.param, step.stacked)
         u.copy_(new_u)
         w.copy_(new_w)
         if codes is None:
             return buf
-        return run(fp8_store, compiled, codes, u, w, buf, grad, momentum, nesterov)
+        store = (codes, u, w, buf, grad, step.momentum, step.nesterov)
+        return run(fp8_store, step.compiled, *store)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from muon_plugin.kernels.quantized import int8_kernel_applies, int8_momentum_
-from muon_plugin.lp.codec import Layout, ViewedCodec
+from muon_plugin.lp.codec import Layout, MomentumStep, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
 from muon_plugin.lp.runtime import table
 
@@ -64,24 +64,14 @@ class Int8Codec(ViewedCodec):
     def layout(self, shape: tuple[int, ...]) -> Layout:
         return blocked_layout(shape, self.block_size, torch.uint8)
 
-    def _update(
-        self,
-        state: Mapping[str, Tensor],
-        grad: Tensor,
-        momentum: float,
-        nesterov: bool,
-        compiled: bool,
-        param: Tensor | None,
-        stacked: bool,
-        kernels: bool | None,
-    ) -> Tensor:
+    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         """The fused Triton kernel where it applies (one pass, torchao's math; see
         :mod:`muon_plugin.kernels.quantized`), else torchao's ops, eager or compiled."""
         codes, scales = state[CODES_KEY], state[SCALES_KEY]
-        if int8_kernel_applies(codes, scales, grad, kernels):
+        if int8_kernel_applies(codes, scales, grad, step.kernels):
             qmap = table("int8", _signed_qmap, codes.device)
-            return int8_momentum_(codes, scales, grad, qmap, momentum, nesterov)
-        return super()._update(state, grad, momentum, nesterov, compiled, param, stacked, kernels)
+            return int8_momentum_(codes, scales, grad, qmap, step.momentum, step.nesterov)
+        return super()._update(state, grad, step)
 
     def view(self, state: Mapping[str, Tensor]) -> Any:
         """The local state as torchao's ``OptimState8bit`` (1-D, sharing storage)."""
