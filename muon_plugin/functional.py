@@ -221,33 +221,71 @@ def muon(
     ``skip_nonfinite``, a parameter whose update is non-finite keeps its weights and momentum
     where the update is non-finite (whole matrices or row blocks, see
     :func:`nonfinite_updates`).
+
+    A plan with several ``phases`` (sets of parameter positions whose matrices need no
+    communication) is run phase by phase, each through all three stages, so that only one
+    phase's directions, stacks and updates are alive at a time; the results are the same as in
+    one pass (every matrix is orthogonalized alone or in the same stack either way).
     """
     chunks = group_chunks(groups, foreach)
-    saved = [storage.snapshot(m) for m in momentum_buffers] if skip_nonfinite else []
-    directions: list[Tensor] = []
-    for group, idx in chunks:
-        directions += storage.update_(
-            [grads[i] for i in idx],
-            [momentum_buffers[i] for i in idx],
-            group.momentum,
-            group.nesterov,
-            group.kernels,
-        )
-    updates = orthogonalize(directions, plan)
-    skipped = nonfinite_updates(updates) if skip_nonfinite else {}
-    before = {}
-    for k, finite in skipped.items():
-        storage.restore_(momentum_buffers[k], saved[k], finite)
-        before[k] = params[k].clone()
-    for group, idx in chunks:
-        decay_and_update_(
-            [params[i] for i in idx],
-            [updates[i] for i in idx],
-            group.lr,
-            group.weight_decay,
-            group.cautious,
-            group.kernels,
-        )
-    for k, finite in skipped.items():
-        params[k].copy_(torch.where(finite, params[k], before[k]))
-    return list(skipped)
+    phases: list[Sequence[int]] = list(getattr(plan, "phases", None) or [range(len(params))])
+    skipped: list[int] = []
+    for k, phase in enumerate(phases):
+        members = set(phase)
+        sub = [(g, [i for i in idx if i in members]) for g, idx in chunks]
+        step = _Step(params, grads, momentum_buffers, storage, skip_nonfinite)
+        skipped += step.run([(g, ix) for g, ix in sub if ix], plan, k if len(phases) > 1 else None)
+    return sorted(skipped)
+
+
+@dataclass
+class _Step:
+    """The three stages on some of a step's parameters (one phase of its plan)."""
+
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    momentum_buffers: Sequence[Any]
+    storage: MomentumStorage
+    skip_nonfinite: bool
+
+    def run(
+        self, chunks: list[tuple[GroupSettings, list[int]]], plan: Orthogonalizer, phase: int | None
+    ) -> list[int]:
+        """Stages 1-3 for the positions of ``chunks``; the positions whose update was skipped."""
+        params, bufs, storage = self.params, self.momentum_buffers, self.storage
+        order = [i for _, idx in chunks for i in idx]
+        saved = {i: storage.snapshot(bufs[i]) for i in order} if self.skip_nonfinite else {}
+        directions: list[Tensor | None] = [None] * len(params)
+        for group, idx in chunks:
+            out = storage.update_(
+                [self.grads[i] for i in idx],
+                [bufs[i] for i in idx],
+                group.momentum,
+                group.nesterov,
+                group.kernels,
+            )
+            for i, d in zip(idx, out, strict=True):
+                directions[i] = d
+        if phase is None:
+            updates = orthogonalize(directions, plan)  # type: ignore[arg-type]
+        else:
+            updates = plan.run(directions, phase)  # type: ignore[call-arg]
+        del directions
+        bad = nonfinite_updates([updates[i] for i in order]) if self.skip_nonfinite else {}
+        skipped = {order[j]: finite for j, finite in bad.items()}
+        before = {}
+        for i, finite in skipped.items():
+            storage.restore_(bufs[i], saved[i], finite)
+            before[i] = params[i].clone()
+        for group, idx in chunks:
+            decay_and_update_(
+                [params[i] for i in idx],
+                [updates[i] for i in idx],
+                group.lr,
+                group.weight_decay,
+                group.cautious,
+                group.kernels,
+            )
+        for i, finite in skipped.items():
+            params[i].copy_(torch.where(finite, params[i], before[i]))
+        return list(skipped)

@@ -244,3 +244,20 @@ def test_buffers_follow_the_process_groups_rank_order():
             per_peer = sched.by_peer[name]
             assert getattr(sched, name) == [item for j in order for item in per_peer.get(j, [])]
             assert sorted(map(repr, getattr(sched, name))) == sorted(map(repr, items))
+
+
+def test_local_groups_are_cut_into_bounded_phases(monkeypatch):
+    """A single rank's own matrices: shape groups and phases of at most MAX_LOCAL_GROUP_NUMEL
+    elements (whole parameters, in order); one phase holds every group that communicates."""
+    from muon_plugin.distributed import planner
+
+    monkeypatch.setattr(planner, "MAX_LOCAL_GROUP_NUMEL", 3 * 64 * 64)
+    plain = [((64, 64), (1,), (Replicate(),), SPEC)] * 8 + [((32, 64), (1,), (Replicate(),), SPEC)]
+    plan = simulate_plan(plain)
+    assert [g.indices for g in plan.groups] == [[0, 1, 2], [3, 4, 5], [6, 7], [8]]
+    assert plan.phases == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # [6, 7] and [8] fit together
+    assert sum(r["matrices"] for r in plan.report()) == 9
+    sharded = [((64, 64), (2,), (Shard(0),), SPEC)] * 8  # communicates: never cut
+    plan = simulate_plan(sharded)
+    assert [g.indices for g in plan.groups] == [list(range(8))]
+    assert plan.phases == [list(range(8))]

@@ -299,3 +299,24 @@ def test_bf16_params_keep_fp32_momentum_through_load_state_dict(driver):
     assert buf.dtype == torch.float32
     assert torch.equal(buf, opt.state[params[0]]["momentum_buffer"])
     assert clone.state[clone_params[1]]["step"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_phases_give_the_same_step(driver, monkeypatch):
+    """A plan cut into phases (each through momentum, orthogonalization and update before the
+    next) moves the parameters exactly as one pass over every matrix."""
+    shapes = [(64, 64)] * 5 + [(32, 64)] * 2 + [(2, 24, 16), (24, 16)]
+    a = make_params(*shapes, seed=5)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    one_pass = driver(a, lr=0.02, wd=0.1)
+    for step in range(3):
+        set_grads(a, step)
+        one_pass.step()
+    monkeypatch.setattr("muon_plugin.distributed.planner.MAX_LOCAL_GROUP_NUMEL", 2 * 64 * 64)
+    phased = driver(b, lr=0.02, wd=0.1)
+    for step in range(3):
+        set_grads(b, step)
+        phased.step()
+    assert len(phased._plan.phases) > 1 and len(one_pass._plan.phases) == 1
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q)

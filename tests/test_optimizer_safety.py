@@ -408,8 +408,13 @@ SKIP_CASES = [(d, v) for d in DRIVERS for v in (math.nan, math.inf, -math.inf)] 
 ]
 
 
+@pytest.mark.parametrize("phased", [False, True], ids=["one pass", "one phase per matrix"])
 @pytest.mark.parametrize(("driver", "value"), SKIP_CASES)
-def test_skip_nonfinite_keeps_weights_and_momentum_of_the_bad_matrix(driver, value):
+def test_skip_nonfinite_keeps_weights_and_momentum_of_the_bad_matrix(
+    driver, value, phased, monkeypatch
+):
+    if phased:  # each matrix a phase of its own (momentum -> update, one after another)
+        monkeypatch.setattr("muon_plugin.distributed.planner.MAX_LOCAL_GROUP_NUMEL", 64 * 64)
     if driver == "MuonLP-int8":
         driver = lp_driver(state_dtype="int8", block_size=64)
     elif driver == "MuonLP-bf16":

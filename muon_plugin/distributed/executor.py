@@ -58,11 +58,14 @@ class Executor:
         self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
         self._side_turns: Counter[torch.device] = Counter()
 
-    def run(self, directions: Sequence[Tensor]) -> list[Tensor]:
-        """Per parameter, the local shard (bf16, shaped like its direction) of the update."""
+    def run(
+        self, directions: Sequence[Tensor | None], groups: list[ShapeGroup] | None = None
+    ) -> list[Tensor | None]:
+        """Per parameter, the local shard (bf16, shaped like its direction) of the update; of
+        the parameters of ``groups`` only when given (a phase of groups without traffic)."""
         self.comm.reset_stats()
         out: list[Tensor | None] = [None] * len(directions)
-        groups = self.groups
+        groups = self.groups if groups is None else groups
         gathers: list[InFlight | None] = [None] * len(groups)
         backs: list[tuple[InFlight | None, Any]] = []
         launched = 0
@@ -79,7 +82,7 @@ class Executor:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
         for group, (back, result) in zip(groups, backs, strict=True):
             self._scatter(group, directions, back, result, out)
-        return out  # type: ignore[return-value]
+        return out
 
     def _assemble(
         self, group: ShapeGroup, directions: Sequence[Tensor], pending: InFlight | None

@@ -34,6 +34,7 @@ from muon_plugin.distributed.layout import local
 from muon_plugin.distributed.planner import (
     ParamLayout,
     ShapeGroup,
+    local_phases,
     plan_groups,
     simulated_layouts,
 )
@@ -69,16 +70,25 @@ class OrthogonalizationPlan:
         self.groups = groups
         self.executor = None if communicator is None else Executor(groups, communicator, batched)
         self.last_stats: dict[str, int] = {}
+        self._phase_groups = local_phases(groups)
+        self.phases: list[list[int]] = [
+            sorted(i for g in phase for i in g.indices) for phase in self._phase_groups
+        ]
+        """Parameter positions a step may take through all three stages one set after another
+        (bounding the step's workspace): several sets only where no group communicates."""
 
-    def run(self, directions: Sequence[Tensor]) -> list[Tensor]:
+    def run(self, directions: Sequence[Tensor | None], phase: int | None = None) -> list[Any]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
 
         Returns, per parameter, the local shard (same shape as the input) of the orthogonalized
         whole matrix, in bf16. Every rank of every domain must call this with the same plan.
+        With ``phase``, only the parameters of ``phases[phase]`` (their directions are read,
+        the other entries may be None, and come back None).
         """
         if self.executor is None:
             raise RuntimeError("a simulated plan (simulate_plan) reports but cannot run")
-        out = self.executor.run(directions)
+        groups = None if phase is None else self._phase_groups[phase]
+        out = self.executor.run(directions, groups)
         self.last_stats = dict(self.executor.comm.stats)
         return out
 

@@ -89,22 +89,34 @@ class ShapeGroup:
         return self.layout.local_shape(self.domain.me)
 
 
+MAX_LOCAL_GROUP_NUMEL = 2**26
+"""Elements of one shape group of a single rank's own parameters. Larger groups are cut (whole
+parameters, in order) so that a step's phases (:func:`local_phases`) hold a bounded workspace:
+the bf16 directions, the stack and the iteration's temporaries of about this many elements at a
+time, not of every matrix at once. Groups whose domain has several ranks are never cut (their
+units are balanced over the ranks and their traffic batched)."""
+
+
 def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[ShapeGroup]:
     """Shape groups, units, owners, schedules and paths of ``params`` (in this order).
 
     ``batched``: this rank orthogonalizes its units of a group in one stacked call (the path is
     resolved for that stack), else unit by unit (an eager path for one unit).
     """
-    groups: dict[tuple, ShapeGroup] = {}
+    plan: list[ShapeGroup] = []
+    open_groups: dict[tuple, ShapeGroup] = {}  # the group a parameter of this key joins
     for i, p in enumerate(params):
         key = (p.shape, p.dtype, p.domain, p.layout.placements, p.spec)
-        group = groups.get(key)
+        group = open_groups.get(key)
+        if group is not None and p.domain.size == 1:
+            if (len(group.indices) + 1) * math.prod(p.shape) > MAX_LOCAL_GROUP_NUMEL:
+                group = None  # full: a new group of the same shape from here on
         if group is None:
             group = ShapeGroup(p.shape, p.dtype, p.spec, p.domain, p.layout, p.device)
-            groups[key] = group
+            open_groups[key] = group
+            plan.append(group)
         group.indices.append(i)
         group.names.append(p.name)
-    plan = list(groups.values())
     for group in plan:
         _make_units(group)
     holdings = [_group_holdings(g) for g in plan]
@@ -113,6 +125,25 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
         schedule_group(group, held)
         group.path = _resolve(group, batched)
     return plan
+
+
+def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
+    """The groups cut into phases that a step may run one after another, momentum to update:
+    consecutive groups of at most :data:`MAX_LOCAL_GROUP_NUMEL` elements together (one group
+    alone may exceed it). Where any group communicates, one phase holds them all, so that every
+    rank runs the same collectives in the same order and gathers overlap compute."""
+    if any(g.gather_comm or g.back_comm for g in groups):
+        return [list(groups)] if groups else []
+    phases: list[list[ShapeGroup]] = []
+    total = 0
+    for group in groups:
+        numel = len(group.indices) * math.prod(group.shape)
+        if not phases or total + numel > MAX_LOCAL_GROUP_NUMEL:
+            phases.append([])
+            total = 0
+        phases[-1].append(group)
+        total += numel
+    return phases
 
 
 def simulated_layouts(
