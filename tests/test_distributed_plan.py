@@ -252,6 +252,7 @@ def test_local_groups_are_cut_into_bounded_phases(monkeypatch):
     from muon_plugin.distributed import planner
 
     monkeypatch.setattr(planner, "MAX_LOCAL_GROUP_NUMEL", 3 * 64 * 64)
+    monkeypatch.setattr(planner, "MAX_PHASE_NUMEL", 3 * 64 * 64)
     plain = [((64, 64), (1,), (Replicate(),), SPEC)] * 8 + [((32, 64), (1,), (Replicate(),), SPEC)]
     plan = simulate_plan(plain)
     assert [g.indices for g in plan.groups] == [[0, 1, 2], [3, 4, 5], [6, 7], [8]]

@@ -312,7 +312,8 @@ def test_phases_give_the_same_step(driver, monkeypatch):
     for step in range(3):
         set_grads(a, step)
         one_pass.step()
-    monkeypatch.setattr("muon_plugin.distributed.planner.MAX_LOCAL_GROUP_NUMEL", 2 * 64 * 64)
+    for bound in ("MAX_LOCAL_GROUP_NUMEL", "MAX_PHASE_NUMEL"):
+        monkeypatch.setattr(f"muon_plugin.distributed.planner.{bound}", 2 * 64 * 64)
     phased = driver(b, lr=0.02, wd=0.1)
     for step in range(3):
         set_grads(b, step)

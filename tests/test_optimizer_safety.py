@@ -414,7 +414,8 @@ def test_skip_nonfinite_keeps_weights_and_momentum_of_the_bad_matrix(
     driver, value, phased, monkeypatch
 ):
     if phased:  # each matrix a phase of its own (momentum -> update, one after another)
-        monkeypatch.setattr("muon_plugin.distributed.planner.MAX_LOCAL_GROUP_NUMEL", 64 * 64)
+        for bound in ("MAX_LOCAL_GROUP_NUMEL", "MAX_PHASE_NUMEL"):
+            monkeypatch.setattr(f"muon_plugin.distributed.planner.{bound}", 64 * 64)
     if driver == "MuonLP-int8":
         driver = lp_driver(state_dtype="int8", block_size=64)
     elif driver == "MuonLP-bf16":

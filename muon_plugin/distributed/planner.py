@@ -92,9 +92,14 @@ class ShapeGroup:
 MAX_LOCAL_GROUP_NUMEL = 2**26
 """Elements of one shape group of a single rank's own parameters. Larger groups are cut (whole
 parameters, in order) so that a step's phases (:func:`local_phases`) hold a bounded workspace:
-the bf16 directions, the stack and the iteration's temporaries of about this many elements at a
-time, not of every matrix at once. Groups whose domain has several ranks are never cut (their
-units are balanced over the ranks and their traffic batched)."""
+the bf16 directions, the stack and the iteration's temporaries of a few such groups at a time,
+not of every matrix at once. Groups whose domain has several ranks are never cut (their units
+are balanced over the ranks and their traffic batched)."""
+
+MAX_PHASE_NUMEL = 2**27
+"""Elements of the consecutive groups one phase takes together (a GPT-125M's 85 M fit in one,
+so its CUDA-graphed groups still overlap on side streams; a Llama-3-8B layer's matrices take
+several)."""
 
 
 def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[ShapeGroup]:
@@ -129,8 +134,8 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
     """The groups cut into phases that a step may run one after another, momentum to update:
-    consecutive groups of at most :data:`MAX_LOCAL_GROUP_NUMEL` elements together (one group
-    alone may exceed it). Where any group communicates, one phase holds them all, so that every
+    consecutive groups of at most :data:`MAX_PHASE_NUMEL` elements together (one group alone
+    may exceed it). Where any group communicates, one phase holds them all, so that every
     rank runs the same collectives in the same order and gathers overlap compute."""
     if any(g.gather_comm or g.back_comm for g in groups):
         return [list(groups)] if groups else []
@@ -138,7 +143,7 @@ def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
     total = 0
     for group in groups:
         numel = len(group.indices) * math.prod(group.shape)
-        if not phases or total + numel > MAX_LOCAL_GROUP_NUMEL:
+        if not phases or total + numel > MAX_PHASE_NUMEL:
             phases.append([])
             total = 0
         phases[-1].append(group)
