@@ -290,6 +290,12 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
         if rank == 0:
             Path(out_path).write_text(json.dumps(rows))
         dist.destroy_process_group()
+    # The work is done and reported. Leave without the interpreter's teardown: gloo's
+    # background threads can make it abort ("terminate called without an active exception"),
+    # which would fail the whole run after the fact.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:
