@@ -2,7 +2,8 @@
 """Benchmark muon_plugin: symmetric kernels, the orthogonalization loop, optimizer.step(), memory.
 
 One run, one process (``--repeats N``: N runs, each in its own process, every figure reported
-as the median of the runs with their range). Sections (``--sections``, default all):
+as the median of the runs with their range; ``--merge A.json B.json ...``: the same report from
+runs saved earlier with ``--json``). Sections (``--sections``, default all):
 
 1. ``kernels``: the Triton symmetric Gram kernel ``symmetric_matmul(X)`` against cuBLAS
    ``X @ X.mT`` (bf16), what the ``gram`` dispatcher picks and whether it is ever slower than
@@ -15,10 +16,14 @@ as the median of the runs with their range). Sections (``--sections``, default a
 3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
    a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, MuonLP int8 and
    int4 at default settings, compiled), torch's Muon, a naive per-parameter reference Muon,
-   fused AdamW, the elementwise part of our step alone, and any importable peer (dion,
-   muonium, dtensor_muon); then the Llama slice with bf16 params and grads (what FSDP's mixed
-   precision with bf16 parameters hands over) for a few of those rows.
-4. ``memory``: optimizer-state bytes (per parameter) and the peak allocated memory of a step.
+   fused AdamW, the elementwise part of our step alone, and any importable peer at its fastest
+   documented settings (dion's Muon with gram Newton-Schulz or its Triton kernels, inside its
+   CUDA-graph wrapper; gram-newton-schulz's Muon; muonium; dtensor_muon); then the Llama slice
+   with bf16 params and grads (what FSDP's mixed precision with bf16 parameters hands over)
+   for a few of those rows.
+4. ``memory``: optimizer-state bytes (per parameter) and the peak memory above params and grads
+   over building the optimizer and all its steps (CUDA-graph pools included), also in units of
+   the state; the transient peak of one steady step and of the first step.
 
 On a CUDA GPU the full sizes are used (``--quick``: small ones); on the CPU small shapes (matrix
 dims / 16, fewer layers) so the whole run takes well under a minute, and the Triton-only columns
@@ -28,6 +33,7 @@ are skipped. Timing: ``triton.testing.do_bench`` medians (CUDA events when trito
 
     python scripts/benchmark.py [--quick] [--sections kernels,ortho,step,memory]
         [--results RESULTS.md] [--json rows.json] [--device auto|cpu|cuda] [--repeats N]
+    python scripts/benchmark.py --merge run1.json run2.json run3.json [--results RESULTS.md]
 
 Prints its tables; only with ``--results PATH`` does it write them, into its own section of
 that file (between ``<!-- benchmark:start -->`` and ``<!-- benchmark:end -->``), keeping
@@ -682,30 +688,63 @@ class Row:
     required: bool = False  # an error here makes the script exit non-zero
 
 
+def _dion_graphed(ps: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
+    """dion's Muon inside its CUDA-graph wrapper: two eager steps, then capture and replay."""
+    from dion import Muon as DionMuon
+    from dion.cuda_graph import CudaGraphOptimizer
+
+    return CudaGraphOptimizer(DionMuon(ps, lr=LR, weight_decay=WD, **kwargs), warmup_steps=2)
+
+
+def _gram_newton_schulz_muon(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from gram_newton_schulz import Muon as GramMuon
+
+    return GramMuon(ps, lr=LR, weight_decay=WD)
+
+
+PEERS: list[tuple[str, tuple[str, ...], Callable[[list[torch.nn.Parameter]], Any]]] = [
+    (
+        "dion Muon (gram NS, CUDA graph)",
+        ("dion", "gram_newton_schulz"),
+        lambda ps: _dion_graphed(ps, use_gram_newton_schulz=True),
+    ),
+    ("dion Muon (Triton, CUDA graph)", ("dion",), lambda ps: _dion_graphed(ps, use_triton=True)),
+    ("gram_newton_schulz.Muon", ("gram_newton_schulz",), _gram_newton_schulz_muon),
+]
+"""Peers on a GPU at their fastest documented settings: (row, modules it needs, factory)."""
+
+GENERIC_PEERS = [("muonium", ["Muon", "MuonForeach"]), ("dtensor_muon", ["Muon", "MuonForeach"])]
+"""Peers whose classes take ``(params, lr=...)`` and run anywhere."""
+
+
+def _missing(modules: tuple[str, ...]) -> str | None:
+    """Why one of ``modules`` cannot be imported, or None when all can."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            return f"{module} not importable ({type(e).__name__})"
+    return None
+
+
 def peer_rows() -> list[Row]:
     rows = []
-    candidates = [
-        ("dion", ["Muon"]),
-        ("muonium", ["Muon", "MuonForeach"]),
-        ("dtensor_muon", ["Muon", "MuonForeach"]),
-    ]
-    for module, classes in candidates:
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:
-            rows.append(
-                Row(f"{module}.Muon", "peer", None, skip=f"not importable ({type(e).__name__})")
-            )
-            continue
-        found = False
-        for cls_name in classes:
-            cls = getattr(mod, cls_name, None)
-            if cls is None:
-                continue
-            found = True
+    for name, modules, make in PEERS:
+        why = _missing(modules)
+        if why is None and not torch.cuda.is_available():
+            why = "needs a GPU"
+        rows.append(Row(name, "peer", None if why else make, skip=why))
+    for module, classes in GENERIC_PEERS:
+        why = _missing((module,))
+        mod = None if why else importlib.import_module(module)
+        found = [c for c in classes if mod is not None and hasattr(mod, c)]
+        if why is None and not found:
+            why = f"no class among {classes}"
+        if why:
+            rows.append(Row(f"{module}.Muon", "peer", None, skip=why))
+        for cls_name in found:
+            cls = getattr(mod, cls_name)
             rows.append(Row(f"{module}.{cls_name}", "peer", lambda ps, cls=cls: cls(ps, lr=LR)))
-        if not found:
-            rows.append(Row(f"{module}", "peer", None, skip=f"no class among {classes}"))
     return rows
 
 
@@ -810,43 +849,89 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
+class MemoryProbe:
+    """CUDA memory above a base: per-window peaks and the peak over a row's whole life.
+
+    The lifetime figure is what a training job must budget beside its params and grads: the
+    highest allocation while the optimizer is built and stepped, or, when larger, the memory
+    still reserved once the cache is emptied (CUDA-graph pools hold their memory between
+    replays without counting it as allocated).
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.high = 0
+        if cuda:
+            free_memory()
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            self.base_reserved = torch.cuda.memory_reserved()
+            self.window_base = self.base
+            torch.cuda.reset_peak_memory_stats()
+
+    def start(self) -> None:
+        """Open a window: its peak is measured above what is allocated now."""
+        if self.cuda:
+            self._fold()
+            self.window_base = torch.cuda.memory_allocated()
+
+    def window_mib(self) -> float:
+        """Peak MiB of the current window above its start."""
+        return (self._fold() - self.window_base) / 2**20
+
+    def lifetime_mib(self) -> tuple[float, float]:
+        """(peak MiB above the base over the whole life, MiB still reserved above it)."""
+        self._fold()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved() - self.base_reserved
+        return max(self.high - self.base, held) / 2**20, held / 2**20
+
+    def _fold(self) -> int:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.high = max(self.high, peak)
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+
+def _steps(out: dict, opt: torch.optim.Optimizer, wl: Workload, cfg: Config, timer: Timer,
+           probe: MemoryProbe, timed: bool, mem: bool) -> None:  # fmt: skip
+    """Step ``opt``: first step, warm-up, timed steps, one probed steady step; fills ``out``."""
+    probe.start()
+    out["first_step_ms"] = timer.wall(opt.step)
+    if timer.cuda:
+        out["first_step_peak_mib"] = probe.window_mib()
+    for _ in range(cfg.step_warmup - 1):
+        opt.step()
+    timer.sync()
+    if timed:
+        times = [timer.time_step(opt.step) for _ in range(wl.iters)]
+        out["ms"] = statistics.median(times)
+        out["min_ms"] = min(times)
+        out["iters"] = len(times)
+    if mem or timed:
+        sb = state_bytes(opt)
+        out["state_mib"] = sb / 2**20
+        out["state_bytes_per_param"] = sb / wl.n_params
+    if mem and timer.cuda:
+        probe.start()
+        opt.step()
+        out["step_peak_mib"] = probe.window_mib()
+        out["peak_mib"], out["held_mib"] = probe.lifetime_mib()
+
+
 def run_row(row: Row, wl: Workload, cfg: Config, timer: Timer, timed: bool, mem: bool) -> dict:
     out: dict[str, Any] = {"workload": wl.name, "name": row.name, "group": row.group}
     if row.skip:
         out["skipped"] = row.skip
         return out
-    cuda = timer.cuda
     opt = None
     try:
         with contextlib.ExitStack() as stack:
             calls = stack.enter_context(row.context()) if row.context else None
+            probe = MemoryProbe(timer.cuda)
             opt = row.make(wl.params)
-            if cuda:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            out["first_step_ms"] = timer.wall(opt.step)
-            if cuda:
-                out["first_step_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            for _ in range(cfg.step_warmup - 1):
-                opt.step()
-            timer.sync()
-            if timed:
-                times = [timer.time_step(opt.step) for _ in range(wl.iters)]
-                out["ms"] = statistics.median(times)
-                out["min_ms"] = min(times)
-                out["iters"] = len(times)
-            if mem or timed:
-                sb = state_bytes(opt)
-                out["state_mib"] = sb / 2**20
-                out["state_bytes_per_param"] = sb / wl.n_params
-            if mem and cuda:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                opt.step()
-                torch.cuda.synchronize()
-                out["step_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            _steps(out, opt, wl, cfg, timer, probe, timed, mem)
             if calls is not None and calls[0] == 0:
                 raise RuntimeError("the identity orthogonalization patch was never called")
     except Exception as e:
@@ -927,6 +1012,8 @@ def section_step(
                 for k in (
                     "state_mib",
                     "state_bytes_per_param",
+                    "peak_mib",
+                    "held_mib",
                     "step_peak_mib",
                     "first_step_peak_mib",
                     "skipped",
@@ -952,8 +1039,8 @@ def step_line(r: dict) -> str:
     parts.append(f"first step {r['first_step_ms']:9.1f} ms")
     if "state_bytes_per_param" in r:
         parts.append(f"state {r['state_bytes_per_param']:.2f} B/param")
-    if "step_peak_mib" in r:
-        parts.append(f"step peak +{r['step_peak_mib']:.0f} MiB")
+    if "peak_mib" in r:
+        parts.append(f"peak +{r['peak_mib']:.0f} MiB")
     return "  ".join(parts)
 
 
@@ -1093,12 +1180,21 @@ def step_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return h, body
 
 
+def peak_over_state(r: dict) -> float | None:
+    """Whole-run peak above params and grads, in units of the optimizer's own state."""
+    if r.get("peak_mib") is None or not r.get("state_mib"):
+        return None
+    return r["peak_mib"] / r["state_mib"]
+
+
 def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     h = [
         "workload",
         "optimizer",
         "state MiB",
         "state B/param",
+        "peak MiB above params+grads",
+        "peak / state",
         "steady step peak MiB (delta)",
         "first step peak MiB (delta)",
     ]
@@ -1112,6 +1208,8 @@ def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 r["name"],
                 fmt(r.get("state_mib"), ".1f"),
                 fmt(r.get("state_bytes_per_param"), ".2f"),
+                spread(r, "peak_mib", ".0f"),
+                fmt(peak_over_state(r), ".2f"),
                 spread(r, "step_peak_mib", ".0f"),
                 spread(r, "first_step_peak_mib", ".0f"),
             ]
@@ -1272,16 +1370,23 @@ def summary_step(rows: list[dict], cfg: Config) -> list[str]:
 
 
 def summary_memory(rows: list[dict]) -> list[str]:
-    lines = ["\n[memory] state B/param, step peak delta MiB"]
+    lines = [
+        "\n[memory] state; peak above params and grads over building and all steps "
+        "(CUDA-graph pools included), also in units of the state"
+    ]
     for r in rows:
         if "skipped" in r or "error" in r:
             continue
-        peak_mib = r.get("step_peak_mib")
+        peak_mib = r.get("peak_mib")
         lines.append(
             f"  {r['workload']:<18} {r['name']:<30} "
             f"{fmt(r.get('state_bytes_per_param'), '.2f'):>6} B/param  "
-            f"{fmt(r.get('state_mib'), '.1f'):>9} MiB  step peak "
-            + (f"+{peak_mib:.0f} MiB" if peak_mib is not None else "n/a (CPU)")
+            f"{fmt(r.get('state_mib'), '.1f'):>9} MiB  peak "
+            + (
+                f"+{peak_mib:.0f} MiB ({fmt(peak_over_state(r), '.2f')}x state)"
+                if peak_mib is not None
+                else "n/a (CPU)"
+            )
         )
     return lines
 
@@ -1321,6 +1426,13 @@ def parse_args(argv: list[str] | None):
         default=1,
         help="run the benchmark this many times, each in its own process, and report every "
         "figure as the median of the runs with their range",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: report the runs saved with --json (separate processes, machines "
+        "starts or days) as medians with their ranges",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_mutually_exclusive_group()
@@ -1434,7 +1546,7 @@ def run_repeats(args, raw_argv: list[str]) -> int:
     """``--repeats N``: N runs in separate processes, then the medians and ranges."""
     import tempfile
 
-    runs, metas, status = [], [], 0
+    datas, status = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             path = Path(tmp) / f"run{i}.json"
@@ -1442,14 +1554,19 @@ def run_repeats(args, raw_argv: list[str]) -> int:
             rc = subprocess.run(child_command(raw_argv, path)).returncode
             status = status or rc
             if path.exists():
-                data = json.loads(path.read_text())
-                runs.append(data["rows"])
-                metas.append(data["meta"])
-    if not runs:
+                datas.append(json.loads(path.read_text()))
+    if not datas:
         print("benchmark: no run produced results", file=sys.stderr)
         return status or 1
-    rows = aggregate(runs)
-    meta = {**metas[0], "runs": len(runs), "command": shlex.join(["python", *raw_argv])}
+    report_runs(args, shlex.join(["python", *raw_argv]), datas)
+    return status
+
+
+def report_runs(args, command: str, datas: list[dict]) -> None:
+    """Summarize runs (each a ``--json`` file's content) as medians with their ranges."""
+    rows = aggregate([d["rows"] for d in datas])
+    metas = [d["meta"] for d in datas]
+    meta = {**metas[0], "runs": len(datas), "command": command}
     meta["dates"] = [m["date"] for m in metas]
     sections = [s for s in SECTIONS if any(r.get("section") == s for r in rows)]
     results = {s: [r for r in rows if r.get("section") == s] for s in sections}
@@ -1458,12 +1575,31 @@ def run_repeats(args, raw_argv: list[str]) -> int:
     print(summary(results, peak, meta, cfg), flush=True)
     args.sections = sections
     write_outputs(args, meta, results, peak, lambda msg: print(msg, flush=True))
-    return status
+
+
+def merge_runs(args) -> int:
+    """``--merge A.json B.json ...``: report runs saved earlier with ``--json`` as one."""
+    datas = []
+    for path in args.merge:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"benchmark: --merge {path}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(data, dict) or not {"meta", "rows"} <= data.keys():
+            print(f"benchmark: --merge {path}: not a benchmark --json file", file=sys.stderr)
+            return 2
+        datas.append(data)
+    commands = sorted({d["meta"].get("command", "?") for d in datas})
+    report_runs(args, " ; ".join(commands), datas)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     raw_argv = sys.argv if argv is None else ["scripts/benchmark.py", *argv]
     args = parse_args(argv)
+    if args.merge:
+        return merge_runs(args)
     if args.repeats > 1:
         return run_repeats(args, raw_argv)
     if args.device == "cuda" and not torch.cuda.is_available():

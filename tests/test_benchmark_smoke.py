@@ -152,3 +152,82 @@ def test_repeats_report_medians_and_ranges():
     assert benchmark.spread(step, "ms") == "2.000 (1.000-3.000)"
     mem = next(r for r in rows if r["section"] == "memory")
     assert mem["step_peak_mib"] == 20.0 and mem["step_peak_mib_range"] == (10.0, 30.0)
+
+
+def test_peer_rows_say_why_a_peer_is_skipped(monkeypatch):
+    """A peer row is skipped with its reason: the module that does not import, or no GPU."""
+    import types
+
+    import torch
+
+    benchmark = load_script()
+    monkeypatch.setitem(sys.modules, "fake_peer", types.ModuleType("fake_peer"))
+    monkeypatch.setattr(
+        benchmark,
+        "PEERS",
+        [
+            ("needs absent", ("fake_peer", "no_such_peer_module"), lambda ps: None),
+            ("graph peer", ("fake_peer",), lambda ps: None),
+        ],
+    )
+    monkeypatch.setattr(benchmark, "GENERIC_PEERS", [("fake_peer", ["Muon"])])
+    rows = {r.name: r for r in benchmark.peer_rows()}
+    assert rows["needs absent"].skip == "no_such_peer_module not importable (ModuleNotFoundError)"
+    assert rows["fake_peer.Muon"].skip == "no class among ['Muon']"
+    if torch.cuda.is_available():
+        assert rows["graph peer"].skip is None and rows["graph peer"].make is not None
+    else:
+        assert rows["graph peer"].skip == "needs a GPU"
+
+
+def test_memory_probe_counts_cuda_graph_pools():
+    """Memory a captured graph holds between replays counts in the whole-run peak."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    benchmark = load_script()
+    x = torch.ones(1024, 1024, device="cuda")  # 4 MiB, present before the probe: not counted
+    probe = benchmark.MemoryProbe(cuda=True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (x.repeat(16, 1) * 2).sum()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        y = (x.repeat(16, 1) * 2).sum()  # a 64 MiB temporary inside the graph's pool
+    graph.replay()
+    peak, held = probe.lifetime_mib()
+    assert held >= 64 and peak >= 64, (peak, held)
+    assert peak < 300, peak
+    del graph, y
+
+
+def test_merge_reports_saved_runs(tmp_path, capsys):
+    """``--merge`` reports saved ``--json`` runs as medians with ranges; bad files are named."""
+    import torch
+
+    benchmark = load_script()
+    meta = {
+        "date": "d",
+        "command": "python scripts/benchmark.py --json r.json",
+        "gpu": None,
+        "device": "cpu",
+        "torch": torch.__version__,
+        "triton": None,
+        "sizes": "small",
+    }
+    for i, ms in enumerate((3.0, 1.0, 2.0)):
+        rows = [{"section": "step", "workload": "w", "name": "A", "group": "ours", "ms": ms}]
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    out = tmp_path / "merged.json"
+    paths = [str(tmp_path / f"r{i}.json") for i in range(3)]
+    assert benchmark.main(["--merge", *paths, "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    (row,) = merged["rows"]
+    assert row["ms"] == 2.0 and row["ms_range"] == [1.0, 3.0] and merged["meta"]["runs"] == 3
+    (tmp_path / "bad.json").write_text("{}")
+    assert benchmark.main(["--merge", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: not a benchmark --json file" in capsys.readouterr().err
