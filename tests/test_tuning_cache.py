@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
+import pytest
 import torch
 
 from muon_plugin.kernels.tuning_cache import TuningCache, cache_dir
@@ -41,3 +45,89 @@ def test_default_location_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("MUON_PLUGIN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "muon_plugin"
+
+
+def test_packaged_table_backs_the_local_one(tmp_path, monkeypatch):
+    """The shipped table answers what this machine's table lacks; the local entry wins."""
+    from muon_plugin.kernels import tuning_cache
+
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    monkeypatch.setattr(tuning_cache, "PACKAGED_DIR", packaged)
+    monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.delenv("MUON_PLUGIN_AUTOTUNE_CACHE", raising=False)
+    shipped = {"BLOCK_M": 128, "num_warps": 8}
+    table = TuningCache("NVIDIA H200-sm90", "3.6.0")
+    (packaged / table.path.name).write_text(
+        json.dumps({TuningCache.entry_key("h", (1, 2)): shipped})
+    )
+    assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) == shipped
+    assert TuningCache("NVIDIA H100-sm90", "3.6.0").get("h", (1, 2)) is None
+    local = {"BLOCK_M": 64, "num_warps": 4}
+    TuningCache("NVIDIA H200-sm90", "3.6.0").put("h", (1, 2), local)
+    assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) == local
+    monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "0")
+    assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) is None
+
+
+KERNEL = """
+import triton
+import triton.language as tl
+
+SCALE = {scale}
+
+
+@triton.jit
+def helper(x):
+    return x * SCALE
+
+
+@triton.jit
+def kernel(ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(ptr + offs, helper(tl.load(ptr + offs)))
+"""
+
+
+def _kernel_module(tmp_path, name: str, text: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_source_hash_ignores_the_kernels_place_in_its_file(tmp_path):
+    """Edits elsewhere in the file keep the key (Triton's own cache_key changes with the line);
+    a change to the kernel, a function it calls or a constant it reads gives a new one."""
+    pytest.importorskip("triton")
+    from muon_plugin.kernels.tuning_cache import source_hash
+
+    base = _kernel_module(tmp_path, "k_base", KERNEL.format(scale=2))
+    moved = _kernel_module(tmp_path, "k_moved", "\n\n# a comment\n" + KERNEL.format(scale=2))
+    scaled = _kernel_module(tmp_path, "k_scaled", KERNEL.format(scale=3))
+    helper = _kernel_module(
+        tmp_path, "k_helper", KERNEL.format(scale=2).replace("x * SCALE", "x + SCALE")
+    )
+    assert base.kernel.cache_key != moved.kernel.cache_key
+    assert source_hash(base.kernel) == source_hash(moved.kernel)
+    assert source_hash(base.kernel) != source_hash(scaled.kernel)
+    assert source_hash(base.kernel) != source_hash(helper.kernel)
+
+
+def test_shipped_tables_match_the_current_kernels():
+    """Every shipped config is keyed by the symmetric kernels as they are now: a kernel edit
+    must come with a re-tuned table (or the table's removal), never leave dead entries."""
+    pytest.importorskip("triton")
+    from muon_plugin.kernels import _symmetric_triton as sym
+    from muon_plugin.kernels.tuning_cache import PACKAGED_DIR, read_table
+
+    current = {sym._POINTER.source_hash, sym._TMA.source_hash}
+    for path in sorted(PACKAGED_DIR.glob("autotune-*.json")):
+        entries = read_table(path)
+        assert entries, f"{path.name}: empty or unreadable"
+        for entry, config in entries.items():
+            kernel_hash = entry.split("|", 1)[0]
+            assert kernel_hash in current, f"{path.name}: {entry} is for another kernel source"
+            assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= config.keys()

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from muon_plugin.kernels.symmetric import upper_tile_count
-from muon_plugin.kernels.tuning_cache import TuningCache
+from muon_plugin.kernels.tuning_cache import TuningCache, source_hash
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -467,6 +467,11 @@ class _Tuned:
     kernel: Any
     heuristics: Callable[[dict, int, int], dict]  # (config, m, k) -> extra constexpr flags
 
+    @functools.cached_property
+    def source_hash(self) -> str:
+        """The kernel's key in the tables of autotuned configs."""
+        return source_hash(self.kernel)
+
     def launch(
         self,
         key: tuple,
@@ -482,7 +487,7 @@ class _Tuned:
         launches, or any with an explicit ``config``, go to the kernel directly."""
         config = config or _tuned.get(key)
         if config is None and not INTERPRET:
-            config = _disk_cache(args[0].device).get(self.kernel.cache_key, key)
+            config = _disk_cache(args[0].device).get(self.source_hash, key)
             if config is not None:
                 _tuned[key] = config
         if config is None:
@@ -495,7 +500,7 @@ class _Tuned:
                 "num_stages": best.num_stages,
             }
             if not INTERPRET:
-                _disk_cache(args[0].device).put(self.kernel.cache_key, key, _tuned[key])
+                _disk_cache(args[0].device).put(self.source_hash, key, _tuned[key])
             return
         grid = (_num_programs(m, config["BLOCK_M"], config["BLOCK_N"]), batch)
         self.kernel[grid](*args, **flags, **self.heuristics(config, m, k), **config)

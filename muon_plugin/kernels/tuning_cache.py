@@ -3,17 +3,21 @@
 Autotuning the symmetric kernel times every candidate config for every new shape: seconds on
 the first step of every process. The winners are stored in one JSON file per GPU model and
 Triton version (``autotune-<gpu>-triton<version>.json``), under a key of the kernel's source
-hash and the launch key (shape, dtypes, flags); a changed kernel, another GPU or another
-Triton looks up other keys, so a stale entry is never used.
+hash (:func:`source_hash`) and the launch key (shape, dtypes, flags); a changed kernel, another
+GPU or another Triton looks up other keys, so a stale entry is never used.
 
 Location: ``$MUON_PLUGIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/muon_plugin``, else
-``~/.cache/muon_plugin``. ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns it off (then every process
-autotunes, as Triton does by default). An unreadable or unwritable file is ignored: the kernel
-then autotunes as if there were no file.
+``~/.cache/muon_plugin``. Behind it, read only, the tables shipped with the package
+(``muon_plugin/kernels/tuned/``, same file names): measured on the GPUs the project benchmarks
+on, they spare even the first process on such a machine its autotuning, as long as the kernel
+source and Triton version match. ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns both off (then every
+process autotunes, as Triton does by default). An unreadable or unwritable file is ignored: the
+kernel then autotunes as if there were no file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +38,35 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "muon_plugin"
 
 
+PACKAGED_DIR = Path(__file__).parent / "tuned"
+"""The tables shipped with the package (read only)."""
+
+
+def source_hash(kernel: Any) -> str:
+    """A hash of a Triton kernel's source and of the sources and constant globals it uses.
+
+    Unlike Triton's own ``cache_key`` it does not depend on where the kernel sits in its file,
+    so editing other code leaves the stored configs valid.
+    """
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+
+    def visit(fn: Any) -> None:
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        digest.update(fn.src.encode())
+        for name in sorted(fn.fn.__code__.co_names):
+            value = fn.__globals__.get(name)
+            if hasattr(value, "src") and hasattr(value, "fn"):  # a @triton.jit function it calls
+                visit(value)
+            elif isinstance(value, (int, float, bool, str)) or type(value).__name__ == "constexpr":
+                digest.update(f"{name}={value!r}".encode())
+
+    visit(kernel)
+    return digest.hexdigest()[:16]
+
+
 def enabled() -> bool:
     """False when ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` (read at the call)."""
     return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE", "1") != "0"
@@ -45,7 +78,9 @@ class TuningCache:
     def __init__(self, gpu: str, triton_version: str) -> None:
         name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-triton{triton_version}").strip("-")
         self.path = cache_dir() / f"autotune-{name}.json"
+        self.packaged_path = PACKAGED_DIR / self.path.name
         self._entries: dict[str, dict[str, Any]] | None = None
+        self._packaged: dict[str, dict[str, Any]] | None = None
 
     @staticmethod
     def entry_key(kernel_hash: str, key: tuple) -> str:
@@ -54,22 +89,21 @@ class TuningCache:
 
     def _load(self) -> dict[str, dict[str, Any]]:
         if self._entries is None:
-            self._entries = {}
-            try:
-                data = json.loads(self.path.read_text())
-                if isinstance(data, dict):
-                    self._entries = {k: v for k, v in data.items() if isinstance(v, dict)}
-            except FileNotFoundError:
-                pass
-            except (OSError, ValueError) as e:
-                logger.warning("ignoring the autotune cache %s (%s)", self.path, e)
+            self._entries = read_table(self.path)
         return self._entries
 
     def get(self, kernel_hash: str, key: tuple) -> dict[str, Any] | None:
-        """The stored config for this kernel and launch key, or None."""
+        """The stored config for this kernel and launch key (this machine's table first, then
+        the packaged one), or None."""
         if not enabled():
             return None
-        return self._load().get(self.entry_key(kernel_hash, key))
+        entry = self.entry_key(kernel_hash, key)
+        found = self._load().get(entry)
+        if found is None:
+            if self._packaged is None:
+                self._packaged = read_table(self.packaged_path)
+            found = self._packaged.get(entry)
+        return found
 
     def put(self, kernel_hash: str, key: tuple, config: dict[str, Any]) -> None:
         """Store a config (merged with what the file holds now, written atomically)."""
@@ -86,3 +120,15 @@ class TuningCache:
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not write the autotune cache %s (%s)", self.path, e)
+
+
+def read_table(path: Path) -> dict[str, dict[str, Any]]:
+    """The entries of one table file; {} when it is missing or unreadable (with a warning)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the autotune cache %s (%s)", path, e)
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
