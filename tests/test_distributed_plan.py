@@ -262,3 +262,27 @@ def test_local_groups_are_cut_into_bounded_phases(monkeypatch):
     plan = simulate_plan(sharded)
     assert [g.indices for g in plan.groups] == [list(range(8))]
     assert plan.phases == [list(range(8))]
+
+
+def test_cuda_graphed_groups_share_larger_phases(monkeypatch):
+    """Consecutive CUDA-graphed groups (small matrices, overlapping on side streams) share a
+    phase up to MAX_GRAPHED_PHASE_NUMEL; a phase with any other group stops at MAX_PHASE_NUMEL."""
+    import dataclasses
+
+    from muon_plugin.distributed import planner
+
+    unit = 64 * 64
+    monkeypatch.setattr(planner, "MAX_LOCAL_GROUP_NUMEL", 2 * unit)
+    monkeypatch.setattr(planner, "MAX_PHASE_NUMEL", 2 * unit)
+    monkeypatch.setattr(planner, "MAX_GRAPHED_PHASE_NUMEL", 6 * unit)
+    plan = simulate_plan([((64, 64), (1,), (Replicate(),), SPEC)] * 12)
+    groups = plan.groups
+    assert [g.indices for g in groups] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    graphed = {0, 1, 2, 3, 5}  # group 4 is eager (a larger matrix would be)
+    for k in graphed:
+        groups[k].path = dataclasses.replace(groups[k].path, graph=True)
+    phases = [[groups.index(g) for g in phase] for phase in planner.local_phases(groups)]
+    assert phases == [[0, 1, 2], [3], [4], [5]]
+    for g in groups:  # none graphed: the plain bound alone
+        g.path = dataclasses.replace(g.path, graph=False)
+    assert len(planner.local_phases(groups)) == 6

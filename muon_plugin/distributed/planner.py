@@ -89,17 +89,21 @@ class ShapeGroup:
         return self.layout.local_shape(self.domain.me)
 
 
-MAX_LOCAL_GROUP_NUMEL = 2**26
+MAX_LOCAL_GROUP_NUMEL = 2**25
 """Elements of one shape group of a single rank's own parameters. Larger groups are cut (whole
 parameters, in order) so that a step's phases (:func:`local_phases`) hold a bounded workspace:
-the bf16 directions, the stack and the iteration's temporaries of a few such groups at a time,
-not of every matrix at once. Groups whose domain has several ranks are never cut (their units
-are balanced over the ranks and their traffic batched)."""
+the bf16 directions, the stack and the iteration's temporaries of one such group at a time, not
+of every matrix at once (a matrix larger than this is a group of its own). Groups whose domain
+has several ranks are never cut (their units are balanced over the ranks and their traffic
+batched)."""
 
-MAX_PHASE_NUMEL = 2**27
-"""Elements of the consecutive groups one phase takes together (a GPT-125M's 85 M fit in one,
-so its CUDA-graphed groups still overlap on side streams; a Llama-3-8B layer's matrices take
-several)."""
+MAX_PHASE_NUMEL = 2**26
+"""Elements of the consecutive groups one phase takes together: small groups share a phase
+(fewer launches), while a Llama-3-8B layer's large matrices take a phase per group."""
+
+MAX_GRAPHED_PHASE_NUMEL = 2**27
+"""Elements of consecutive CUDA-graphed groups (small matrices) one phase takes together: their
+graphs overlap on side streams only within a phase, and a GPT-125M's 85 M fit in one."""
 
 
 def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[ShapeGroup]:
@@ -134,20 +138,25 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
     """The groups cut into phases that a step may run one after another, momentum to update:
-    consecutive groups of at most :data:`MAX_PHASE_NUMEL` elements together (one group alone
-    may exceed it). Where any group communicates, one phase holds them all, so that every
-    rank runs the same collectives in the same order and gathers overlap compute."""
+    consecutive groups of at most :data:`MAX_PHASE_NUMEL` elements together, or of at most
+    :data:`MAX_GRAPHED_PHASE_NUMEL` where every one of them is replayed through a CUDA graph
+    (one group alone may exceed either). Where any group communicates, one phase holds them
+    all, so that every rank runs the same collectives in the same order and gathers overlap
+    compute."""
     if any(g.gather_comm or g.back_comm for g in groups):
         return [list(groups)] if groups else []
     phases: list[list[ShapeGroup]] = []
-    total = 0
+    total, graphed = 0, True
     for group in groups:
         numel = len(group.indices) * math.prod(group.shape)
-        if not phases or total + numel > MAX_PHASE_NUMEL:
+        both_graphed = graphed and group.path is not None and group.path.graph
+        limit = MAX_GRAPHED_PHASE_NUMEL if both_graphed else MAX_PHASE_NUMEL
+        if not phases or total + numel > limit:
             phases.append([])
-            total = 0
+            total, both_graphed = 0, group.path is not None and group.path.graph
         phases[-1].append(group)
         total += numel
+        graphed = both_graphed
     return phases
 
 
