@@ -8,13 +8,13 @@ nearest even; the check patches it to round like the GPU (and like torch).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import python_env
 
 from muon_plugin.kernels import triton_available
 from muon_plugin.kernels.elementwise import kernel_groups
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_grouped_elementwise_kernels_match_foreach_math():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = python_env(TRITON_INTERPRET="1")
     env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
     script = REPO / "tests" / "kernel_interpreter_elementwise.py"
     res = subprocess.run(

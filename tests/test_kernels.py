@@ -8,13 +8,13 @@ the kernel, which must not leak into other tests.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import python_env
 
 from muon_plugin.kernels import gram, triton_available, use_symmetric_kernel
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run_python(script: str, **env: str) -> subprocess.CompletedProcess:
     """Run a helper module of tests/ as a script in a fresh interpreter."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full_env = python_env(**env)
     full_env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
     return subprocess.run(
         [sys.executable, str(REPO / "tests" / script)],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from lp_helpers import (
     random_grads,
     rel_err,
 )
+from subprocess_env import python_env
 from torch import nn
 
 from muon_plugin import MuonForeach
@@ -331,7 +331,7 @@ def test_without_torchao_only_int8_and_fp8_fail():
     """int8 / fp8 need torchao; int4 and bf16 are plain torch (tests/lp_without_torchao.py)."""
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "lp_without_torchao.py")],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=python_env(),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -55,9 +55,17 @@ def test_round_trip_is_nearest_level_of_block_absmax(block_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_fused_kernel_equals_torchao_ops_on_the_gpu(grad_dtype, nesterov):
-    """On CUDA the fused Triton kernel and torchao's eager ops round alike: equal state and
-    directions, step after step (a stacked update and a lone one)."""
+def test_fused_kernel_matches_torchao_ops_on_the_gpu(grad_dtype, nesterov):
+    """On CUDA the fused Triton kernel and torchao's eager ops agree to rounding, step after
+    step (a stacked update and a lone one): from the same state and gradient, directions
+    within a few fp32 ulps of their magnitude, scales within an ulp, codes within one level of
+    the map (a value on a level boundary may round either way) and almost all equal.
+
+    On the GPU the two are not bit-equal (on an H100 the first update from a non-zero state
+    differed): the kernel's fp32 arithmetic (contracted multiply-adds) rounds differently from
+    ATen's in places. Each step therefore starts both from the fused state, so that differences
+    do not compound; the CPU test (Triton's interpreter) checks the same kernel bit for bit.
+    """
     from muon_plugin.kernels import triton_available
 
     if not triton_available():
@@ -65,13 +73,21 @@ def test_fused_kernel_equals_torchao_ops_on_the_gpu(grad_dtype, nesterov):
     codec = Int8Codec(256)
     for shape, stacked in [((2048, 1536), False), ((5, 384, 768), True)]:
         param = torch.empty(shape, device="cuda")
-        fused, eager = codec.zeros(param), codec.zeros(param)
+        fused = codec.zeros(param)
         torch.manual_seed(0)
         for step in range(5):
             grad = (torch.randn(shape, device="cuda") * 3.0**-step).to(grad_dtype)
-            kw = dict(stacked=stacked)
-            d_fused = codec.update_(fused, grad, 0.95, nesterov, kernels=True, **kw)
-            d_eager = codec.update_(eager, grad, 0.95, nesterov, kernels=False, **kw)
-            assert torch.equal(d_fused, d_eager), (shape, step)
+            eager = {key: value.clone() for key, value in fused.items()}
+            d_eager = codec.update_(eager, grad, 0.95, nesterov, kernels=False, stacked=stacked)
+            d_fused = codec.update_(fused, grad, 0.95, nesterov, kernels=True, stacked=stacked)
+            where = (shape, step)
+            scale = d_eager.abs().max().item()
+            torch.testing.assert_close(d_fused, d_eager, rtol=0, atol=4e-7 * scale, msg=where)
             for key in codec.keys:
-                assert torch.equal(fused[key], eager[key]), (shape, step, key)
+                a, b = fused[key], eager[key]
+                if a.dtype == torch.uint8:  # codes: indices into the sorted map
+                    gap = (a.int() - b.int()).abs()
+                    assert gap.max().item() <= 1, where
+                    assert gap.count_nonzero().item() <= 1e-3 * gap.numel(), where
+                else:
+                    torch.testing.assert_close(a, b, rtol=2.4e-7, atol=0, msg=where)

@@ -6,13 +6,13 @@ tests/test_lp_int8.py (CUDA only)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import python_env
 
 from muon_plugin.kernels import triton_available
 from muon_plugin.kernels.quantized import int8_kernel_applies
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_int8_momentum_kernel_matches_torchao_ops():
     pytest.importorskip("torchao")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = python_env(TRITON_INTERPRET="1")
     env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
     script = REPO / "tests" / "kernel_interpreter_quantized.py"
     res = subprocess.run(
