@@ -30,9 +30,6 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata

@@ -146,17 +146,17 @@ def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
     if any(g.gather_comm or g.back_comm for g in groups):
         return [list(groups)] if groups else []
     phases: list[list[ShapeGroup]] = []
-    total, graphed = 0, True
+    total, all_graphed = 0, True
     for group in groups:
         numel = len(group.indices) * math.prod(group.shape)
-        both_graphed = graphed and group.path is not None and group.path.graph
-        limit = MAX_GRAPHED_PHASE_NUMEL if both_graphed else MAX_PHASE_NUMEL
+        graphed = group.path is not None and group.path.graph
+        limit = MAX_GRAPHED_PHASE_NUMEL if graphed and all_graphed else MAX_PHASE_NUMEL
         if not phases or total + numel > limit:
             phases.append([])
-            total, both_graphed = 0, group.path is not None and group.path.graph
+            total, all_graphed = 0, True
         phases[-1].append(group)
         total += numel
-        graphed = both_graphed
+        all_graphed = all_graphed and graphed
     return phases
 
 
