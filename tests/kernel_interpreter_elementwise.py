@@ -2,33 +2,17 @@
 
 Run by ``tests/test_elementwise_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (it
 must be set before triton is imported), with CPU tensors admitted to the kernel path; prints
-``OK``. The interpreter's fp32 -> bf16 cast truncates where the GPU rounds to nearest even; the
-check patches it to round like the GPU (and like torch). Importing this module runs nothing.
+``OK``. The interpreter's fp32 -> bf16 cast is patched to round like the GPU
+(``interpreter_rounding``). Importing this module runs nothing.
 """
 
 from __future__ import annotations
 
 import torch
+from interpreter_rounding import round_casts_to_nearest_even
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 launches: list[tuple] = []
-
-
-def round_casts_to_nearest_even() -> None:
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_rne(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            x = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            bits = x.view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_rne
 
 
 def spy_on_launches(k) -> None:

@@ -5,12 +5,14 @@ be set before triton is imported); prints ``OK``. Several steps of Int8Codec's u
 through the kernel and once through torchao's eager ops, on the same gradients: the scales,
 codes and directions agree (codes may differ by one level only where ``buf / scale`` lies on a
 rounding boundary to within an ulp, since the CPU reference rounds the lerp without fused
-multiply-adds). Importing this module runs nothing.
+multiply-adds); and one launch over momenta of several shapes (the step's grouped update)
+equals each momentum's own launch. Importing this module runs nothing.
 """
 
 from __future__ import annotations
 
 import torch
+from interpreter_rounding import round_casts_to_nearest_even
 
 from muon_plugin.kernels.quantized import int8_kernel_applies
 from muon_plugin.lp import Int8Codec
@@ -41,7 +43,34 @@ def steps(codec: Int8Codec, shape, grad_dtype, nesterov: bool, stacked: bool) ->
         fused[SCALES_KEY].copy_(eager[SCALES_KEY])
 
 
+def grouped(block: int, shapes, grad_dtype, nesterov: bool) -> None:
+    """One launch over momenta of several shapes equals each momentum's own launch bit for
+    bit (states), with the direction rounded once to bf16."""
+    codec = Int8Codec(block)
+    torch.manual_seed(len(shapes) + block)
+    together = [codec.zeros(torch.empty(s)) for s in shapes]
+    alone = [codec.zeros(torch.empty(s)) for s in shapes]
+    for step in range(3):
+        grads = [(torch.randn(s) * 3.0**-step).to(grad_dtype) for s in shapes]
+        assert all(codec.fused_applies(st, g, True) for st, g in zip(together, grads, strict=True))
+        d_together = codec.fused_update_(together, grads, 0.9, nesterov)
+        for i, (state, grad) in enumerate(zip(alone, grads, strict=True)):
+            d_alone = codec.update_(state, grad, 0.9, nesterov, kernels=True)
+            where = f"grouped {shapes[i]} {grad_dtype} nesterov={nesterov} step {step}"
+            assert d_together[i].dtype == torch.bfloat16 and d_together[i].shape == grad.shape
+            assert torch.equal(d_together[i], d_alone.to(torch.bfloat16)), where
+            for key in codec.keys:
+                assert torch.equal(together[i][key], state[key]), (key, where)
+
+
 def main() -> None:
+    round_casts_to_nearest_even()  # bf16 directions round as on the GPU
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        for nesterov in (True, False):
+            # shapes of one launch: a tile cut mid-tensor, a 3-D stack, one short tile
+            grouped(256, [(24, 512), (2, 3, 768), (5, 256), (24, 512)], grad_dtype, nesterov)
+        grouped(4096, [(3, 4096), (1, 8192)], grad_dtype, True)
+
     for block, shape, stacked in [
         (256, (64, 512), False),
         (64, (3, 40, 192), True),  # a stack: leading dim of same-shape parameters

@@ -91,3 +91,26 @@ def test_fused_kernel_matches_torchao_ops_on_the_gpu(grad_dtype, nesterov):
                     assert gap.count_nonzero().item() <= 1e-3 * gap.numel(), where
                 else:
                     torch.testing.assert_close(a, b, rtol=2.4e-7, atol=0, msg=where)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_fused_launch_over_many_shapes_on_the_gpu():
+    """MuonLP's stage 1 on CUDA: one launch updates momenta of several shapes exactly as each
+    one's own launch does (states bit for bit), with bf16 directions (the fp32 ones rounded)."""
+    from muon_plugin.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not importable")
+    codec = Int8Codec(256)
+    shapes = [(768, 768), (768, 3072), (3072, 768), (768, 768), (4, 256, 512)]
+    together = [codec.zeros(torch.empty(s, device="cuda")) for s in shapes]
+    alone = [codec.zeros(torch.empty(s, device="cuda")) for s in shapes]
+    torch.manual_seed(0)
+    for step in range(3):
+        grads = [torch.randn(s, device="cuda") * 2.0**-step for s in shapes]
+        d_together = codec.fused_update_(together, grads, 0.95, True)
+        for i, (state, grad) in enumerate(zip(alone, grads, strict=True)):
+            d_alone = codec.update_(state, grad, 0.95, True, kernels=True)
+            assert torch.equal(d_together[i], d_alone.to(torch.bfloat16)), (shapes[i], step)
+            for key in codec.keys:
+                assert torch.equal(together[i][key], state[key]), (shapes[i], step, key)

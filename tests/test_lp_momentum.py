@@ -5,6 +5,7 @@ the per-parameter updates bit for bit, for every format, in one process and on D
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,7 +14,14 @@ from lp_helpers import DTYPES, KWARGS, seed_of
 from torch import nn
 
 from muon_plugin.functional import MomentumStorage
-from muon_plugin.lp import QUANTIZED, MomentumCodec, MuonLP, QuantizedMomentum, codec_for
+from muon_plugin.lp import (
+    QUANTIZED,
+    Int8Codec,
+    MomentumCodec,
+    MuonLP,
+    QuantizedMomentum,
+    codec_for,
+)
 from muon_plugin.lp.momentum import batches, update_quantized_
 
 pytest.importorskip("torchao")
@@ -87,6 +95,48 @@ def test_stacked_update_equals_one_at_a_time(kind, nesterov):
         for i, (m, ref) in enumerate(zip(batched, alone, strict=True)):
             for key in m.state:
                 assert torch.equal(m.state[key], ref.state[key]), (kind, step, i, key)
+
+
+class _FusedWide(Int8Codec):
+    """int8 whose "fused kernel" (stand-in: the per-parameter update, bf16 directions) takes
+    the 512-column momenta; records each launch's shapes."""
+
+    launches: ClassVar[list[list[tuple[int, ...]]]] = []
+
+    def fused_applies(self, state, grad, kernels):
+        return grad.shape[-1] == 512
+
+    def fused_update_(self, states, grads, momentum, nesterov, direction_dtype=torch.bfloat16):
+        self.launches.append([tuple(g.shape) for g in grads])
+        plain = Int8Codec(self.block_size)
+        return [
+            plain.update_(st, g, momentum, nesterov).to(direction_dtype)
+            for st, g in zip(states, grads, strict=True)
+        ]
+
+
+def test_fused_momenta_take_one_launch_the_rest_stacks(monkeypatch):
+    """Momenta a fused kernel takes go to one launch per codec and grad dtype, whatever their
+    shapes, in list order, their directions in bf16; the others are stacked as before; every
+    result lands at its own position."""
+    stacks = count_stacks(monkeypatch)
+    codec = _FusedWide(256)
+    shapes = [(256, 256), (64, 512), (256, 256), (2, 32, 512), (16, 512), (64, 512)]
+    reference = momenta("int8", shapes)  # plain int8: torchao's ops one at a time
+    fused = [QuantizedMomentum(codec, m.state, m.param, False) for m in copies(reference)]
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads[4] = grads[4].bfloat16()  # another grad dtype: a launch of its own
+    _FusedWide.launches.clear()
+    got = update_quantized_(grads, fused, 0.95, True)
+    want = _one_at_a_time_(grads, reference, 0.95, True)
+    assert _FusedWide.launches == [[(64, 512), (2, 32, 512), (64, 512)], [(16, 512)]]
+    assert stacks == [2]  # the two (256, 256) momenta
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        expected = b.bfloat16() if shapes[i][-1] == 512 else b
+        assert a.dtype == expected.dtype and torch.equal(a, expected), i
+        for key in fused[i].state:
+            assert torch.equal(fused[i].state[key], reference[i].state[key]), (i, key)
 
 
 def test_batches_group_same_format_and_shape_in_order():

@@ -41,6 +41,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # Rows of the int64 meta table, one per tensor of the list (built by ``_tables``):
 #   momentum:       grad address, buffer address, numel, first tile, direction offset
 #   decay + update: param address, update address, numel, first tile
+#   int8 momentum:  grad address, codes address, numel, first tile, direction offset,
+#                   scales address (``_quantized_triton``)
 
 
 @triton.jit
@@ -248,13 +250,17 @@ _shape = operator.attrgetter("shape")
 
 
 def _tables(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], with_dir: bool
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    with_dir: bool,
+    extra: Sequence[torch.Tensor] = (),
 ) -> tuple[_Layout, torch.Tensor, bool]:
     """The cached (layout, meta table, all pointers 16-byte aligned) of a list pair.
 
-    The meta table is keyed on everything it encodes (device, dtypes, shapes, data pointers)
-    plus the stream: tables are only used on the stream that copied them in (and whose pool
-    frees them), so a list whose pointers moved always gets fresh tables.
+    ``extra``: one more tensor per entry whose address ends each row (the int8 kernel's
+    scales). The meta table is keyed on everything it encodes (device, dtypes, shapes, data
+    pointers) plus the stream: tables are only used on the stream that copied them in (and
+    whose pool frees them), so a list whose pointers moved always gets fresh tables.
     """
     device = b[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
@@ -262,15 +268,18 @@ def _tables(
     layout = _layouts.get_or_build((device, stream, shapes), lambda: _Layout(shapes, device))
     a_ptrs = tuple(map(torch.Tensor.data_ptr, a))
     b_ptrs = tuple(map(torch.Tensor.data_ptr, b))
-    key = (device, stream, with_dir, a[0].dtype, b[0].dtype, shapes, a_ptrs, b_ptrs)
+    x_ptrs = tuple(map(torch.Tensor.data_ptr, extra))
+    key = (device, stream, with_dir, a[0].dtype, b[0].dtype, shapes, a_ptrs, b_ptrs, x_ptrs)
 
     def build() -> tuple[torch.Tensor, bool]:
         numels = [s.numel() for s in shapes]
         cols = [a_ptrs, b_ptrs, numels, layout.first_tile]
         if with_dir:
             cols.append(layout.dir_offset)
+        if x_ptrs:
+            cols.append(x_ptrs)
         meta = torch.tensor(list(zip(*cols, strict=True)), dtype=torch.int64).reshape(-1)
-        aligned = all(p % _ALIGN == 0 for p in a_ptrs + b_ptrs)
+        aligned = all(p % _ALIGN == 0 for p in a_ptrs + b_ptrs + x_ptrs)
         return _to_device(meta, device), aligned
 
     meta, aligned = _pointer_tables.get_or_build(key, build)

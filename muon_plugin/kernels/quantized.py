@@ -1,9 +1,10 @@
 """Fused kernels for low-precision Muon momentum (Triton on CUDA): int8 codes with an fp32
 absmax per block, torchao's format (:mod:`muon_plugin.lp.int8`).
 
-:func:`int8_kernel_applies` says whether a tensor set can take the kernel (Triton enabled, one
-CUDA device, contiguous, a grad dtype the kernel reads, a power-of-two block size of at most
-:data:`MAX_BLOCK`); :func:`int8_momentum_` runs it. Whether kernels may run at all is the
+:func:`int8_kernel_applies` says whether one momentum's tensors can take the kernel (Triton
+enabled, one CUDA device, contiguous, a grad dtype the kernel reads, a power-of-two block size
+of at most :data:`MAX_BLOCK`); :func:`grouped_int8_momentum_` runs it on a whole list of such
+momenta in one launch, whatever their shapes. Whether kernels may run at all is the
 orthogonalization backend's call, passed as ``enabled`` (None: ``MUON_PLUGIN_DISABLE_TRITON``
 decides, read at the call), as for :mod:`muon_plugin.kernels.elementwise`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -33,7 +35,7 @@ def _module() -> ModuleType:
 def int8_kernel_applies(
     codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, enabled: bool | None = None
 ) -> bool:
-    """Whether :func:`int8_momentum_` takes these local state and grad tensors.
+    """Whether :func:`grouped_int8_momentum_` takes these local state and grad tensors.
 
     CPU tensors qualify only under ``TRITON_INTERPRET=1`` (Triton's interpreter).
     """
@@ -56,15 +58,20 @@ def int8_kernel_applies(
     )
 
 
-def int8_momentum_(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    grad: torch.Tensor,
+def grouped_int8_momentum_(
+    codes: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     qmap: torch.Tensor,
     momentum: float,
     nesterov: bool,
-) -> torch.Tensor:
-    """Muon's momentum step on int8 state (``codes`` uint8, ``scales`` fp32 a block, ``qmap``
-    the 256 fp32 levels) in place, in one pass; returns the fp32 direction shaped like
-    ``grad``. The tensors must satisfy :func:`int8_kernel_applies`."""
-    return _module().int8_momentum(codes, scales, grad, qmap, momentum, nesterov)
+    direction_dtype: torch.dtype = torch.bfloat16,
+) -> list[torch.Tensor]:
+    """Muon's momentum step on int8 states (``codes[i]`` uint8, ``scales[i]`` fp32 a block,
+    ``qmap`` the 256 fp32 levels) in place, all in one launch; returns the directions in
+    ``direction_dtype`` (bf16, the dtype orthogonalization runs in, or fp32), shaped like the
+    grads. Every triple must satisfy :func:`int8_kernel_applies`, with one device, one grad
+    dtype and one block size across the lists."""
+    return _module().grouped_int8_momentum(
+        codes, scales, grads, qmap, momentum, nesterov, direction_dtype
+    )

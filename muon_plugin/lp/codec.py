@@ -207,6 +207,27 @@ class MomentumCodec(ABC):
     def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         """:meth:`update_` of this format (``grad`` has elements unless it communicates)."""
 
+    def fused_applies(
+        self, state: Mapping[str, Tensor], grad: Tensor, kernels: bool | None
+    ) -> bool:
+        """Whether this format's fused kernel takes this local state and grad
+        (:meth:`fused_update_`; ``kernels`` as in :class:`MomentumStep`). None has one by
+        default."""
+        return False
+
+    def fused_update_(
+        self,
+        states: Sequence[Mapping[str, Tensor]],
+        grads: Sequence[Tensor],
+        momentum: float,
+        nesterov: bool,
+        direction_dtype: torch.dtype = torch.bfloat16,
+    ) -> list[Tensor]:
+        """:meth:`update_` for momenta of any shapes that :meth:`fused_applies` takes (one
+        device, one grad dtype), in one launch; the directions in ``direction_dtype`` (bf16:
+        what orthogonalization rounds them to anyway)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused kernel")
+
     def update_batch_(
         self,
         states: Sequence[Mapping[str, Tensor]],

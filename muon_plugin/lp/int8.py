@@ -8,19 +8,19 @@ wraps the local codes and scales, no copy, in ``OptimState8bit``, dequantizes wi
 (blockwise absmax scaling, the signed dynamic-tree map). Needs torchao (the ``lp`` extra).
 On CUDA with Triton, the same math runs as one fused kernel
 (:mod:`muon_plugin.kernels.quantized`): one pass over memory where eager torchao runs tens of
-kernels.
+kernels, and one launch for all of a step's int8 momenta, whatever their shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels.quantized import int8_kernel_applies, int8_momentum_
+from muon_plugin.kernels.quantized import grouped_int8_momentum_, int8_kernel_applies
 from muon_plugin.lp.codec import Layout, MomentumStep, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
 from muon_plugin.lp.runtime import table
@@ -66,12 +66,34 @@ class Int8Codec(ViewedCodec):
 
     def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
         """The fused Triton kernel where it applies (one pass, torchao's math; see
-        :mod:`muon_plugin.kernels.quantized`), else torchao's ops, eager or compiled."""
-        codes, scales = state[CODES_KEY], state[SCALES_KEY]
-        if int8_kernel_applies(codes, scales, grad, step.kernels):
-            qmap = table("int8", _signed_qmap, codes.device)
-            return int8_momentum_(codes, scales, grad, qmap, step.momentum, step.nesterov)
+        :mod:`muon_plugin.kernels.quantized`), else torchao's ops, eager or compiled; the
+        direction in fp32 either way."""
+        if self.fused_applies(state, grad, step.kernels):
+            directions = self.fused_update_(
+                [state], [grad], step.momentum, step.nesterov, torch.float32
+            )
+            return directions[0]
         return super()._update(state, grad, step)
+
+    def fused_applies(
+        self, state: Mapping[str, Tensor], grad: Tensor, kernels: bool | None
+    ) -> bool:
+        return int8_kernel_applies(state[CODES_KEY], state[SCALES_KEY], grad, kernels)
+
+    def fused_update_(
+        self,
+        states: Sequence[Mapping[str, Tensor]],
+        grads: Sequence[Tensor],
+        momentum: float,
+        nesterov: bool,
+        direction_dtype: torch.dtype = torch.bfloat16,
+    ) -> list[Tensor]:
+        codes = [s[CODES_KEY] for s in states]
+        scales = [s[SCALES_KEY] for s in states]
+        qmap = table("int8", _signed_qmap, codes[0].device)
+        return grouped_int8_momentum_(
+            codes, scales, grads, qmap, momentum, nesterov, direction_dtype
+        )
 
     def view(self, state: Mapping[str, Tensor]) -> Any:
         """The local state as torchao's ``OptimState8bit`` (1-D, sharing storage)."""

@@ -7,6 +7,9 @@ same mesh, placements and global shape, so that every rank forms the same stacks
 as one stack (:meth:`~muon_plugin.lp.codec.MomentumCodec.update_batch_`, up to
 :data:`MAX_STACK_NUMEL` elements): one sequence of kernels (and of fp8's collectives) per stack
 instead of one per parameter, with results equal bit for bit to updating them one at a time.
+Momenta a format's fused kernel takes (int8 on CUDA) need no stacks: one launch updates all of
+them in place, whatever their shapes
+(:meth:`~muon_plugin.lp.codec.MomentumCodec.fused_update_`).
 """
 
 from __future__ import annotations
@@ -100,6 +103,21 @@ def batches(grads: list[Tensor], momenta: list[QuantizedMomentum]) -> list[list[
     return [run for idx in groups.values() for run in _split(idx, numels, MAX_STACK_NUMEL)]
 
 
+def fused_launches(
+    grads: list[Tensor], momenta: list[QuantizedMomentum], kernels: bool | None
+) -> tuple[list[list[int]], list[int]]:
+    """Positions of the momenta a format's fused kernel takes, one list per launch (one codec,
+    grad dtype and device; list order kept), and the positions left to the stacks."""
+    launches: dict[Hashable, list[int]] = {}
+    rest: list[int] = []
+    for i, (g, m) in enumerate(zip(grads, momenta, strict=True)):
+        if m.codec.fused_applies(m.state, g, kernels):
+            launches.setdefault((m.codec, g.dtype, g.device), []).append(i)
+        else:
+            rest.append(i)
+    return list(launches.values()), rest
+
+
 def update_quantized_(
     grads: list[Tensor],
     momenta: list[QuantizedMomentum],
@@ -107,10 +125,21 @@ def update_quantized_(
     nesterov: bool,
     kernels: bool | None = None,
 ) -> list[Tensor]:
-    """Stage 1 on quantized momentum, one stack per batch (``kernels``: whether a format's
-    fused Triton kernel may run, the group's orthogonalization backend's call)."""
+    """Stage 1 on quantized momentum: one launch per format whose fused kernel applies (its
+    directions in bf16, as MuonForeach's kernel gives them), one stack per batch for the rest
+    (``kernels``: whether a format's fused Triton kernel may run, the group's orthogonalization
+    backend's call)."""
     out: list[Tensor | None] = [None] * len(grads)
-    for idx in batches(grads, momenta):
+    launches, rest = fused_launches(grads, momenta, kernels)
+    for idx in launches:
+        directions = momenta[idx[0]].codec.fused_update_(
+            [momenta[i].state for i in idx], [grads[i] for i in idx], momentum, nesterov
+        )
+        for i, direction in zip(idx, directions, strict=True):
+            out[i] = direction
+    rest_grads, rest_momenta = [grads[i] for i in rest], [momenta[i] for i in rest]
+    for batch in batches(rest_grads, rest_momenta):
+        idx = [rest[j] for j in batch]
         first = momenta[idx[0]]
         if len(idx) == 1:
             out[idx[0]] = first.update_(grads[idx[0]], momentum, nesterov, kernels)

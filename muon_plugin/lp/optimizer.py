@@ -50,7 +50,8 @@ class MuonLP(MuonForeach):
 
     Each step, per Muon parameter: dequantize the local momentum to fp32, apply Muon's momentum
     update (``lerp`` towards the gradient, Nesterov look-ahead) in fp32, requantize the state in
-    place, and hand the fp32 direction to the same orthogonalization plan as ``MuonForeach``.
+    place, and hand the direction (fp32; bf16 from int8's fused kernel, the precision
+    orthogonalization rounds every direction to) to the same plan as ``MuonForeach``.
     The first step is therefore identical to fp32-state Muon; later steps differ only through
     the quantization error of the stored momentum. Parameters of one group with the same format
     and local shape are updated as one stack (:mod:`muon_plugin.lp.momentum`: the same results
@@ -58,10 +59,11 @@ class MuonLP(MuonForeach):
     matrix and step for its rank-1 part (two matrix-vector products; on a sharded parameter
     two small all-reduces over the mesh dims that shard it, once per stack). On CUDA with
     Triton, int8's update is one fused kernel (one pass over memory, torchao's math:
-    :mod:`muon_plugin.kernels.quantized`), allowed by the orthogonalization backend as the
-    elementwise kernels are. Elsewhere ``compile=True`` compiles the update (one fused graph
-    per stack size, two for fp8, whose power step runs between them); use it for speed there,
-    since eager requantization runs torchao's ops as tens of small kernels per stack.
+    :mod:`muon_plugin.kernels.quantized`; one launch for all of a step's int8 momenta, no
+    stacks), allowed by the orthogonalization backend as the elementwise kernels are.
+    Elsewhere ``compile=True`` compiles the update (one fused graph per stack size, two for
+    fp8, whose power step runs between them); use it for speed there, since eager
+    requantization runs torchao's ops as tens of small kernels per stack.
 
     Memory per Muon parameter element: int8 1 byte + 4 bytes per block (1.016 at 256), fp8 the
     same plus 2 bytes per row and per column (1.018 for 1024 x 4096), int4 0.5 + 1/16 + 2/256 =
