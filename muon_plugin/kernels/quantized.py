@@ -39,17 +39,19 @@ def int8_kernel_applies(
 
     CPU tensors qualify only under ``TRITON_INTERPRET=1`` (Triton's interpreter).
     """
+    # Runs for every int8 momentum on every step: cheap attribute reads first (``.device``
+    # builds an object; ``get_device()`` is an int).
     allowed = triton_kernels_enabled() if enabled is None else enabled and triton_available()
-    if not allowed or not scales.numel() or codes.numel() != grad.numel():
+    n, n_blocks = codes.numel(), scales.numel()
+    if not allowed or not n_blocks or n != grad.numel():
         return False
-    block = codes.numel() // scales.numel()
-    on_device = codes.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    block = n // n_blocks
     return (
-        on_device
-        and grad.device == codes.device == scales.device
+        (codes.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and grad.get_device() == codes.get_device() == scales.get_device()
         and grad.dtype in KERNEL_DTYPES
         and scales.dtype == torch.float32
-        and block * scales.numel() == codes.numel()
+        and block * n_blocks == n
         and block & (block - 1) == 0
         and block <= MAX_BLOCK
         and codes.is_contiguous()
