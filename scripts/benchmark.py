@@ -33,6 +33,7 @@ are skipped. Timing: ``triton.testing.do_bench`` medians (CUDA events when trito
 
     python scripts/benchmark.py [--quick] [--sections kernels,ortho,step,memory]
         [--results RESULTS.md] [--json rows.json] [--device auto|cpu|cuda] [--repeats N]
+        [--rows WORD,WORD] [--workloads llama,gpt,llama-bf16] [--budget SECONDS]
     python scripts/benchmark.py --merge run1.json run2.json run3.json [--results RESULTS.md]
 
 Prints its tables; only with ``--results PATH`` does it write them, into its own section of
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import importlib
@@ -101,6 +103,28 @@ ANCHORS_MS = {
 # ----------------------------------------------------------------------------- configuration
 
 
+WORKLOADS = ("llama", "gpt", "llama-bf16")
+"""The step section's workloads, as ``--workloads`` names them."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which step rows and workloads run, and until when (``--rows``, ``--workloads``,
+    ``--budget``): a run cut short by a time limit should still leave its rows."""
+
+    rows: tuple[str, ...] = ()
+    """Lower-case substrings of row names; a row runs if its name contains one (empty: all)."""
+    workloads: tuple[str, ...] = WORKLOADS
+    deadline: float | None = None
+    """``time.perf_counter()`` after which no new row starts (its row is marked skipped)."""
+
+    def takes(self, row_name: str) -> bool:
+        return not self.rows or any(p in row_name.lower() for p in self.rows)
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+
 @dataclass(frozen=True)
 class Config:
     """Sizes and repetition counts of one run."""
@@ -114,6 +138,7 @@ class Config:
     step_iters_large: int  # timed steps, Llama workload
     step_iters_small: int  # timed steps, GPT workload
     compile_row: bool
+    select: Selection = Selection()
 
 
 def make_config(cuda: bool, quick: bool, compile_flag: bool | None) -> Config:
@@ -959,9 +984,46 @@ def add_ratios(rows: list[dict]) -> None:
             r["within_2x_adamw"] = r["ms"] <= 2.0 * adamw
 
 
+def workload_entries(rows: list[dict], timed: bool, mem: bool) -> tuple[list[dict], list[dict]]:
+    """The step and memory section entries of one workload's rows (ratios added)."""
+    add_ratios(rows)
+    step_rows: list[dict] = []
+    mem_rows: list[dict] = []
+    for r in rows:
+        base = {k: r[k] for k in ("workload", "name", "group") if k in r}
+        if timed:
+            step_rows.append({"section": "step", **r})
+        if mem:
+            m = {"section": "memory", **base}
+            for k in (
+                "state_mib",
+                "state_bytes_per_param",
+                "peak_mib",
+                "held_mib",
+                "step_peak_mib",
+                "first_step_peak_mib",
+                "skipped",
+                "error",
+                "required",
+            ):
+                if k in r:
+                    m[k] = r[k]
+            mem_rows.append(m)
+    return step_rows, mem_rows
+
+
 def section_step(
-    cfg: Config, device: torch.device, timer: Timer, peak: dict | None, timed: bool, mem: bool, log
+    cfg: Config,
+    device: torch.device,
+    timer: Timer,
+    peak: dict | None,
+    timed: bool,
+    mem: bool,
+    log,
+    saved: Callable[[list[dict], list[dict]], None] = lambda step, mem: None,
 ) -> tuple[list[dict], list[dict]]:
+    """Every selected row on every selected workload; ``saved(step_rows, mem_rows)`` after
+    each row with everything measured so far (``--json`` keeps a partial file)."""
     if cfg.compile_row:
         with contextlib.suppress(Exception):
             from torch._dynamo import config as dynamo_config
@@ -972,18 +1034,21 @@ def section_step(
     llama = "llama3-8b-4L" if cfg.full else f"llama3-8b-{cfg.llama_layers}L/{cfg.div}"
     llama_mats = llama_shapes(cfg.llama_layers, cfg.div)
     specs = [
-        (llama, llama_mats, cfg.step_iters_large, torch.float32),
+        ("llama", llama, llama_mats, cfg.step_iters_large, torch.float32),
         (
+            "gpt",
             "gpt-125m" if cfg.full else f"gpt-125m-{cfg.gpt_layers}L/{cfg.div}",
             gpt_shapes(cfg.gpt_layers, cfg.div),
             cfg.step_iters_small,
             torch.float32,
         ),
-        (f"{llama} bf16", llama_mats, cfg.step_iters_large, torch.bfloat16),
+        ("llama-bf16", f"{llama} bf16", llama_mats, cfg.step_iters_large, torch.bfloat16),
     ]
     step_rows: list[dict] = []
     mem_rows: list[dict] = []
-    for wl_name, shapes, iters, dtype in specs:
+    for key, wl_name, shapes, iters, dtype in specs:
+        if key not in cfg.select.workloads:
+            continue
         wl = make_workload(wl_name, shapes, device, iters, dtype)
         floor = (wl.flops / (peak["tflops"] * 1e9)) if peak else None
         log(
@@ -993,8 +1058,12 @@ def section_step(
         )
         rows = []
         for row in optimizer_rows(cfg):
-            if dtype != torch.float32 and row.name not in BF16_ROWS:
+            if (dtype != torch.float32 and row.name not in BF16_ROWS) or not cfg.select.takes(
+                row.name
+            ):
                 continue
+            if cfg.select.expired():
+                row = Row(row.name, row.group, None, skip="time budget (--budget) spent")
             r = run_row(row, wl, cfg, timer, timed, mem)
             r["required"] = row.required
             r["n_params"] = wl.n_params
@@ -1002,27 +1071,11 @@ def section_step(
             r["floor_ms"] = floor
             rows.append(r)
             log("    " + step_line(r))
-        add_ratios(rows)
-        for r in rows:
-            base = {k: r[k] for k in ("workload", "name", "group") if k in r}
-            if timed:
-                step_rows.append({"section": "step", **r})
-            if mem:
-                m = {"section": "memory", **base}
-                for k in (
-                    "state_mib",
-                    "state_bytes_per_param",
-                    "peak_mib",
-                    "held_mib",
-                    "step_peak_mib",
-                    "first_step_peak_mib",
-                    "skipped",
-                    "error",
-                    "required",
-                ):
-                    if k in r:
-                        m[k] = r[k]
-                mem_rows.append(m)
+            done_step, done_mem = workload_entries([dict(x) for x in rows], timed, mem)
+            saved(step_rows + done_step, mem_rows + done_mem)
+        done_step, done_mem = workload_entries(rows, timed, mem)
+        step_rows += done_step
+        mem_rows += done_mem
         del wl
         free_memory()
     return step_rows, mem_rows
@@ -1435,6 +1488,26 @@ def parse_args(argv: list[str] | None):
         "starts or days) as medians with their ranges",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--rows",
+        default="",
+        help="step and memory sections: only the rows whose name contains one of these "
+        "comma-separated words (case-insensitive), e.g. 'MuonForeach (polar,MuonLP (int8'",
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"step and memory sections: a comma-separated subset of {','.join(WORKLOADS)}",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no new step row after this many seconds (later rows are marked skipped); "
+        "with --json the file is rewritten after every row, so a run stopped from outside "
+        "still leaves what it measured",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--compile",
@@ -1455,12 +1528,27 @@ def parse_args(argv: list[str] | None):
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     args.sections = [s for s in SECTIONS if s in sections]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        p.error(f"--workloads {args.workloads!r}: choose from {','.join(WORKLOADS)}")
+    args.workloads = tuple(w for w in WORKLOADS if w in workloads)
+    args.rows = tuple(r.strip().lower() for r in args.rows.split(",") if r.strip())
+    if args.budget is not None and args.budget <= 0:
+        p.error(f"--budget {args.budget}: must be a positive number of seconds")
     return args
 
 
-def run_sections(args, cfg: Config, device: torch.device, timer, peak, log) -> dict:
-    """The rows of every section asked for, each timed and logged."""
+def run_sections(args, cfg: Config, device: torch.device, timer, peak, log, saved) -> dict:
+    """The rows of every section asked for, each timed and logged; ``saved(results)`` after
+    every step row, with everything measured so far."""
     results: dict[str, list[dict]] = {}
+
+    def saved_step_rows(step_rows: list[dict], mem_rows: list[dict]) -> None:
+        partial = dict(results)
+        for key, rows in (("step", step_rows), ("memory", mem_rows)):
+            if key in args.sections:
+                partial[key] = rows
+        saved(partial)
 
     def timed_section(name: str, fn):
         t0 = time.perf_counter()
@@ -1482,7 +1570,14 @@ def run_sections(args, cfg: Config, device: torch.device, timer, peak, log) -> d
         step_rows, mem_rows = timed_section(
             name,
             lambda: section_step(
-                cfg, device, timer, peak, "step" in args.sections, "memory" in args.sections, log
+                cfg,
+                device,
+                timer,
+                peak,
+                "step" in args.sections,
+                "memory" in args.sections,
+                log,
+                saved_step_rows,
             ),
         )
         for key, rows in (("step", step_rows), ("memory", mem_rows)):
@@ -1491,12 +1586,19 @@ def run_sections(args, cfg: Config, device: torch.device, timer, peak, log) -> d
     return results
 
 
+def write_json(args, meta: dict, results: dict, peak) -> None:
+    """All rows as ``--json`` keeps them (replaced whole, so a reader never sees half a file)."""
+    rows = ([peak] if peak else []) + [r for s in args.sections for r in results.get(s, [])]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    tmp.write_text(json.dumps(clean_json({"meta": meta, "rows": rows}), indent=1))
+    tmp.replace(args.json)
+
+
 def write_outputs(args, meta: dict, results: dict, peak, log) -> None:
     """The JSON rows (``--json``) and the RESULTS.md section (only with ``--results``)."""
     if args.json:
-        rows = ([peak] if peak else []) + [r for s in args.sections for r in results.get(s, [])]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(clean_json({"meta": meta, "rows": rows}), indent=1))
+        write_json(args, meta, results, peak)
         log(f"wrote {args.json}")
     if args.results is not None:
         write_results(args.results, markdown_section(meta, results, peak))
@@ -1568,6 +1670,10 @@ def report_runs(args, command: str, datas: list[dict]) -> None:
     metas = [d["meta"] for d in datas]
     meta = {**metas[0], "runs": len(datas), "command": command}
     meta["dates"] = [m["date"] for m in metas]
+    cut = sum(bool(m.get("partial")) for m in metas)
+    if cut:
+        print(f"note: {cut} of the {len(metas)} runs stopped early (partial files)", flush=True)
+        meta["partial_runs"] = cut
     sections = [s for s in SECTIONS if any(r.get("section") == s for r in rows)]
     results = {s: [r for r in rows if r.get("section") == s] for s in sections}
     peak = next((r for r in rows if r.get("section") == "peak"), None)
@@ -1607,11 +1713,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = make_config(cuda, args.quick, args.compile)
+    t_start = time.perf_counter()
+    select = Selection(
+        args.rows, args.workloads, None if args.budget is None else t_start + args.budget
+    )
+    cfg = dataclasses.replace(make_config(cuda, args.quick, args.compile), select=select)
     timer = Timer(device)
     meta = meta_info(args, device, cfg, raw_argv)
     torch.manual_seed(0)
-    t_start = time.perf_counter()
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -1624,7 +1733,12 @@ def main(argv: list[str] | None = None) -> int:
     if "ortho" in args.sections or "step" in args.sections:
         peak = measure_peak(cfg, device, timer)
         log(f"peak: {peak['name']}: {peak['ms']:.3f} ms, {tf(peak['tflops'])} TFLOP/s")
-    results = run_sections(args, cfg, device, timer, peak, log)
+
+    def saved(partial: dict) -> None:
+        if args.json:
+            write_json(args, {**meta, "partial": True}, partial, peak)
+
+    results = run_sections(args, cfg, device, timer, peak, log, saved)
     meta["total_s"] = time.perf_counter() - t_start
     write_outputs(args, meta, results, peak, log)
     for key, table in (

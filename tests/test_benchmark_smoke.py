@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmark.py"
 CPU_SECTIONS = ("kernels", "ortho", "step", "memory")
@@ -231,3 +233,52 @@ def test_merge_reports_saved_runs(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert benchmark.main(["--merge", str(tmp_path / "bad.json")]) == 2
     assert "bad.json: not a benchmark --json file" in capsys.readouterr().err
+
+
+def test_rows_and_workloads_select_what_runs(tmp_path):
+    """``--rows`` and ``--workloads`` run only the named step rows on the named workloads."""
+    benchmark = load_script()
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--device", "cpu", "--sections", "step,memory", "--json", str(out)]
+    argv += ["--rows", "MuonForeach (polar,adamw", "--workloads", "gpt"]
+    assert benchmark.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    step = [r for r in rows if r["section"] == "step"]
+    assert {r["name"] for r in step} == {"MuonForeach (polar_express)", "AdamW(fused=True)"}
+    assert {r["workload"] for r in rows if r["section"] != "peak"} == {"gpt-125m-3L/16"}
+    assert all("ms" in r for r in step)
+    assert not json.loads(out.read_text())["meta"].get("partial")
+    for bad in (["--workloads", "bert"], ["--budget", "0"]):
+        with pytest.raises(SystemExit):
+            benchmark.parse_args(bad)
+
+
+def test_budget_and_partial_json(tmp_path, monkeypatch):
+    """Rows after ``--budget`` are skipped (named so); with ``--json`` the file holds every
+    finished row while the run goes on, so a run stopped from outside keeps them."""
+    benchmark = load_script()
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--device", "cpu", "--sections", "step", "--json", str(out)]
+    argv += ["--workloads", "gpt", "--rows", "MuonForeach (polar,adamw,naive"]
+    run_row = benchmark.run_row
+    seen: list[str] = []
+
+    def stopped_at_the_third_row(row, *args):
+        seen.append(row.name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # the run is killed here
+        return run_row(row, *args)
+
+    monkeypatch.setattr(benchmark, "run_row", stopped_at_the_third_row)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(argv)
+    data = json.loads(out.read_text())
+    assert data["meta"]["partial"] is True
+    assert [r["name"] for r in data["rows"] if r["section"] == "step"] == seen[:2]
+    assert all("ms" in r for r in data["rows"] if r["section"] == "step")
+
+    monkeypatch.setattr(benchmark, "run_row", run_row)
+    # A microsecond: spent on the matmul peak measured before the first row.
+    assert benchmark.main([*argv, "--budget", "1e-6"]) == 0
+    step = [r for r in json.loads(out.read_text())["rows"] if r["section"] == "step"]
+    assert len(step) == 3 and all(r["skipped"] == "time budget (--budget) spent" for r in step)
