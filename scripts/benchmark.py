@@ -23,7 +23,9 @@ runs saved earlier with ``--json``). Sections (``--sections``, default all):
    for a few of those rows.
 4. ``memory``: optimizer-state bytes (per parameter) and the peak memory above params and grads
    over building the optimizer and all its steps (CUDA-graph pools included), also in units of
-   the state; the transient peak of one steady step and of the first step.
+   the state; the transient peak of one steady step and of the first step; what stays
+   allocated between steps besides the state (CUDA-graph pools; static inputs, library
+   workspaces and other allocations).
 
 On a CUDA GPU the full sizes are used (``--quick``: small ones); on the CPU small shapes (matrix
 dims / 16, fewer layers) so the whole run takes well under a minute, and the Triton-only columns
@@ -874,6 +876,16 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
+def pool_bytes(snapshot: list[dict]) -> dict[str, int]:
+    """Bytes reserved in a ``torch.cuda.memory_snapshot()``: by the default pool, and by the
+    private pools of CUDA graphs."""
+    out = {"default": 0, "graphs": 0}
+    for segment in snapshot:
+        private = tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+        out["graphs" if private else "default"] += segment["total_size"]
+    return out
+
+
 class MemoryProbe:
     """CUDA memory above a base: per-window peaks and the peak over a row's whole life.
 
@@ -891,8 +903,19 @@ class MemoryProbe:
             torch.cuda.synchronize()
             self.base = torch.cuda.memory_allocated()
             self.base_reserved = torch.cuda.memory_reserved()
+            self.base_pools = pool_bytes(torch.cuda.memory_snapshot())
             self.window_base = self.base
             torch.cuda.reset_peak_memory_stats()
+
+    def kept_mib(self, state: int) -> tuple[float, float]:
+        """Where the memory kept between steps goes, in MiB above the base: (allocated beyond
+        the optimizer state ``state`` bytes: static graph inputs, library workspaces, cached
+        tables; reserved by CUDA-graph pools, which keep their steps' temporaries)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        graphs = pool_bytes(torch.cuda.memory_snapshot())["graphs"] - self.base_pools["graphs"]
+        other = torch.cuda.memory_allocated() - self.base - state
+        return other / 2**20, graphs / 2**20
 
     def start(self) -> None:
         """Open a window: its peak is measured above what is allocated now."""
@@ -942,6 +965,7 @@ def _steps(out: dict, opt: torch.optim.Optimizer, wl: Workload, cfg: Config, tim
         probe.start()
         opt.step()
         out["step_peak_mib"] = probe.window_mib()
+        out["kept_mib"], out["graph_pools_mib"] = probe.kept_mib(state_bytes(opt))
         out["peak_mib"], out["held_mib"] = probe.lifetime_mib()
 
 
@@ -1002,6 +1026,8 @@ def workload_entries(rows: list[dict], timed: bool, mem: bool) -> tuple[list[dic
                 "held_mib",
                 "step_peak_mib",
                 "first_step_peak_mib",
+                "kept_mib",
+                "graph_pools_mib",
                 "skipped",
                 "error",
                 "required",
@@ -1094,6 +1120,8 @@ def step_line(r: dict) -> str:
         parts.append(f"state {r['state_bytes_per_param']:.2f} B/param")
     if "peak_mib" in r:
         parts.append(f"peak +{r['peak_mib']:.0f} MiB")
+    if "graph_pools_mib" in r:
+        parts.append(f"kept: graph pools {r['graph_pools_mib']:.0f}, other {r['kept_mib']:.0f} MiB")
     return "  ".join(parts)
 
 
@@ -1250,6 +1278,7 @@ def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         "peak / state",
         "steady step peak MiB (delta)",
         "first step peak MiB (delta)",
+        "kept between steps: graph pools / other MiB",
     ]
     body = []
     for r in rows:
@@ -1265,6 +1294,7 @@ def memory_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 fmt(peak_over_state(r), ".2f"),
                 spread(r, "step_peak_mib", ".0f"),
                 spread(r, "first_step_peak_mib", ".0f"),
+                f"{spread(r, 'graph_pools_mib', '.0f')} / {spread(r, 'kept_mib', '.0f')}",
             ]
         )
     return h, body

@@ -201,6 +201,8 @@ def test_memory_probe_counts_cuda_graph_pools():
     with torch.cuda.graph(graph):
         y = (x.repeat(16, 1) * 2).sum()  # a 64 MiB temporary inside the graph's pool
     graph.replay()
+    other, graphs = probe.kept_mib(state=0)
+    assert graphs >= 64 and other < 64, (graphs, other)  # the pool, apart from the rest
     peak, held = probe.lifetime_mib()
     assert held >= 64 and peak >= 64, (peak, held)
     assert peak < 300, peak
@@ -282,3 +284,16 @@ def test_budget_and_partial_json(tmp_path, monkeypatch):
     assert benchmark.main([*argv, "--budget", "1e-6"]) == 0
     step = [r for r in json.loads(out.read_text())["rows"] if r["section"] == "step"]
     assert len(step) == 3 and all(r["skipped"] == "time budget (--budget) spent" for r in step)
+
+
+def test_pool_bytes_splits_default_and_graph_pools():
+    """The memory column "kept between steps" reads a CUDA memory snapshot: segments of the
+    default pool (id (0, 0)) and of CUDA graphs' private pools are counted apart."""
+    benchmark = load_script()
+    snapshot = [
+        {"segment_pool_id": (0, 0), "total_size": 2 << 20},
+        {"segment_pool_id": (0, 1), "total_size": 20 << 20},
+        {"segment_pool_id": [1, 0], "total_size": 4 << 20},  # lists, as the C++ side gives
+        {"total_size": 1 << 20},  # no pool id: the default pool
+    ]
+    assert benchmark.pool_bytes(snapshot) == {"default": 3 << 20, "graphs": 24 << 20}
