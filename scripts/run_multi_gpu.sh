@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 on one multi-GPU machine (NCCL, one process per GPU); everything lands under $OUT.
+# The multi-GPU checks on one machine (NCCL, one process per GPU); everything lands under $OUT.
 #
 #   OUT=/path bash scripts/run_multi_gpu.sh [tests] [scaling] [titan]     # default: all three
 #
@@ -10,9 +10,10 @@
 # titan    (c) scripts/bench_titan_tps.py: configs/llama3_8b_muon.toml on all GPUs with AdamW
 #              and with Muon, local corpus/tokenizer: titan.log, titan/{AdamW,muon}.log
 # Each phase writes its marked section of $OUT/RESULTS.md as it goes. Time budgets in seconds
-# (TESTS_S=230 SCALING_S=160 TITAN_S=180; with the install ~ 580 s: one 10-minute device call);
+# (TESTS_S=230 SCALING_S=160 TITAN_S=180; about 10 minutes in all with the install);
 # a phase cut by its budget keeps what it finished. PYTHON (default python3) runs everything;
-# when torchtitan or pytest is missing, the wheels in .whl/ are installed into /tmp/site.
+# when torchtitan or pytest is missing (an offline machine), the wheels in .whl/ are
+# installed into /tmp/site.
 # SMOKE=1: the same on CPU (gloo, 2 ranks, tiny shapes, the debug model) to check this script.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,4 +1,4 @@
-"""Smoke tests of the multi-GPU run's scripts on CPU (issue 6).
+"""Smoke tests of the multi-GPU run's scripts on CPU.
 
 - scripts/bench_scaling.py: the driver launches torchrun (gloo) at N = 1 and 2 on the Llama-3-8B
   shapes / 32; the table has both rows, N = 2 moves exactly the minimum bytes, efficiency is set;
