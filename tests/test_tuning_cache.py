@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -70,6 +71,46 @@ def test_packaged_table_backs_the_local_one(tmp_path, monkeypatch):
     assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) is None
 
 
+def test_tables_of_the_same_family_back_a_gpu_without_its_own(tmp_path, monkeypatch, caplog):
+    """A GPU with no table of its own takes the shipped configs of a GPU with the same compute
+    capability and SM count (and Triton), not of another family; its own entries win."""
+    import logging
+
+    from muon_plugin.kernels import tuning_cache
+
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    monkeypatch.setattr(tuning_cache, "PACKAGED_DIR", packaged)
+    monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.delenv("MUON_PLUGIN_AUTOTUNE_CACHE", raising=False)
+    h100 = TuningCache("NVIDIA H100 80GB HBM3", "3.6.0", "sm90-132sms")
+    assert h100.path.name == "autotune-NVIDIA-H100-80GB-HBM3-sm90-132sms-triton3.6.0.json"
+    shipped = {"BLOCK_M": 128, "num_warps": 8}
+    entry = TuningCache.entry_key("h", (1, 2))
+    (packaged / h100.path.name).write_text(json.dumps({entry: shipped}))
+
+    def h200(sms: int = 132, triton: str = "3.6.0") -> TuningCache:
+        return TuningCache("NVIDIA H200", triton, f"sm90-{sms}sms")
+
+    with caplog.at_level(logging.INFO, logger="muon_plugin.kernels"):
+        assert h200().get("h", (1, 2)) == shipped
+    assert "from autotune-NVIDIA-H100-80GB-HBM3-sm90-132sms-triton3.6.0.json" in caplog.text
+    assert h200().get("h", (3, 4)) is None  # a key the family table lacks
+    assert h200(sms=114).get("h", (1, 2)) is None  # another SM count
+    assert h200(triton="3.7.0").get("h", (1, 2)) is None  # another Triton
+    assert TuningCache("NVIDIA H200", "3.6.0").get("h", (1, 2)) is None  # no family given
+    own = {"BLOCK_M": 64, "num_warps": 4}
+    h200().put("h", (1, 2), own)  # what this GPU tuned itself wins
+    assert h200().get("h", (1, 2)) == own
+    assert not (packaged / h200().path.name).exists()  # the shipped tables are never written
+    gh200 = TuningCache("NVIDIA GH200", "3.6.0", "sm90-132sms")
+    monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "own")  # tuning afresh: no shipped table
+    assert gh200.get("h", (1, 2)) is None and h100.get("h", (1, 2)) is None
+    assert h200().get("h", (1, 2)) == own  # its own table still answers
+    monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "0")
+    assert gh200.get("h", (1, 2)) is None
+
+
 KERNEL = """
 import triton
 import triton.language as tl
@@ -125,6 +166,8 @@ def test_shipped_tables_match_the_current_kernels():
 
     current = {sym._POINTER.source_hash, sym._TMA.source_hash}
     for path in sorted(PACKAGED_DIR.glob("autotune-*.json")):
+        # named by family (compute capability, SM count), so GPUs of that family find it
+        assert re.fullmatch(r"autotune-.+-sm\d+-\d+sms-triton[\d.]+\.json", path.name), path.name
         entries = read_table(path)
         assert entries, f"{path.name}: empty or unreadable"
         for entry, config in entries.items():

@@ -374,7 +374,8 @@ _tuned: dict[tuple, dict] = {}
 @functools.cache
 def _disk_cache_of(device_index: int) -> TuningCache:
     props = torch.cuda.get_device_properties(device_index)
-    return TuningCache(f"{props.name}-sm{props.major}{props.minor}", triton.__version__)
+    family = f"sm{props.major}{props.minor}-{props.multi_processor_count}sms"
+    return TuningCache(props.name, triton.__version__, family)
 
 
 def _disk_cache(device: torch.device) -> TuningCache:

@@ -2,17 +2,23 @@
 
 Autotuning the symmetric kernel times every candidate config for every new shape: seconds on
 the first step of every process. The winners are stored in one JSON file per GPU model and
-Triton version (``autotune-<gpu>-triton<version>.json``), under a key of the kernel's source
-hash (:func:`source_hash`) and the launch key (shape, dtypes, flags); a changed kernel, another
-GPU or another Triton looks up other keys, so a stale entry is never used.
+Triton version (``autotune-<gpu>-sm<capability>-<SMs>sms-triton<version>.json``), under a key of
+the kernel's source hash (:func:`source_hash`) and the launch key (shape, dtypes, flags); a
+changed kernel, another GPU or another Triton looks up other keys, so a stale entry is never
+used.
 
 Location: ``$MUON_PLUGIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/muon_plugin``, else
 ``~/.cache/muon_plugin``. Behind it, read only, the tables shipped with the package
 (``muon_plugin/kernels/tuned/``, same file names): measured on the GPUs the project benchmarks
 on, they spare even the first process on such a machine its autotuning, as long as the kernel
-source and Triton version match. ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns both off (then every
-process autotunes, as Triton does by default). An unreadable or unwritable file is ignored: the
-kernel then autotunes as if there were no file.
+source and Triton version match. Behind those, the shipped tables of other GPUs of the same
+family (compute capability and SM count, e.g. an H100 SXM and an H200: the same SMs, shared
+memory and tensor cores, so the same tiles win): a config found there is valid on this GPU
+and close to its best, and is used rather than autotuning on the first step.
+``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns all of them off (then every process autotunes, as Triton
+does by default); ``MUON_PLUGIN_AUTOTUNE_CACHE=own`` keeps only this machine's table (a GPU
+tuned afresh, to ship its table). An unreadable or unwritable file is ignored: the kernel then
+autotunes as if there were no file.
 """
 
 from __future__ import annotations
@@ -72,15 +78,28 @@ def enabled() -> bool:
     return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE", "1") != "0"
 
 
-class TuningCache:
-    """The table of one GPU model and Triton version, read once and written on each new entry."""
+def own_table_only() -> bool:
+    """True when ``MUON_PLUGIN_AUTOTUNE_CACHE=own``: this machine's table only, none shipped
+    (to tune a GPU afresh, e.g. to ship its own table); read at the call."""
+    return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE") == "own"
 
-    def __init__(self, gpu: str, triton_version: str) -> None:
-        name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-triton{triton_version}").strip("-")
+
+class TuningCache:
+    """The table of one GPU model and Triton version, read once and written on each new entry.
+
+    ``family`` (``"sm90-132sms"``: compute capability and SM count) names the GPUs whose shipped
+    tables back this one's (see the module docstring); None: none do.
+    """
+
+    def __init__(self, gpu: str, triton_version: str, family: str | None = None) -> None:
+        self.family = family and _file_part(f"{family}-triton{triton_version}")
+        name = _file_part(f"{gpu}-{self.family}" if family else f"{gpu}-triton{triton_version}")
         self.path = cache_dir() / f"autotune-{name}.json"
         self.packaged_path = PACKAGED_DIR / self.path.name
         self._entries: dict[str, dict[str, Any]] | None = None
         self._packaged: dict[str, dict[str, Any]] | None = None
+        self._siblings: list[tuple[Path, dict[str, dict[str, Any]]]] | None = None
+        self._siblings_used: set[Path] = set()
 
     @staticmethod
     def entry_key(kernel_hash: str, key: tuple) -> str:
@@ -94,16 +113,39 @@ class TuningCache:
 
     def get(self, kernel_hash: str, key: tuple) -> dict[str, Any] | None:
         """The stored config for this kernel and launch key (this machine's table first, then
-        the packaged one), or None."""
+        the packaged one, then the packaged tables of the same family), or None."""
         if not enabled():
             return None
         entry = self.entry_key(kernel_hash, key)
         found = self._load().get(entry)
+        if found is None and own_table_only():
+            return None
         if found is None:
             if self._packaged is None:
                 self._packaged = read_table(self.packaged_path)
             found = self._packaged.get(entry)
+        if found is None:
+            found = self._from_siblings(entry)
         return found
+
+    def _from_siblings(self, entry: str) -> dict[str, Any] | None:
+        if self._siblings is None:
+            paths = (
+                sorted(PACKAGED_DIR.glob(f"autotune-*-{self.family}.json")) if self.family else []
+            )
+            self._siblings = [(p, read_table(p)) for p in paths if p != self.packaged_path]
+        for path, entries in self._siblings:
+            found = entries.get(entry)
+            if found is not None:
+                if path not in self._siblings_used:
+                    self._siblings_used.add(path)
+                    logger.info(
+                        "autotuned kernel configs taken from %s (a GPU of the same family) for %s",
+                        path.name,
+                        self.path.name,
+                    )
+                return found
+        return None
 
     def put(self, kernel_hash: str, key: tuple, config: dict[str, Any]) -> None:
         """Store a config (merged with what the file holds now, written atomically)."""
@@ -120,6 +162,11 @@ class TuningCache:
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not write the autotune cache %s (%s)", self.path, e)
+
+
+def _file_part(text: str) -> str:
+    """``text`` with every run of characters other than letters, digits and dots as one dash."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
 def read_table(path: Path) -> dict[str, dict[str, Any]]:
