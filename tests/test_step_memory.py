@@ -10,11 +10,14 @@ stacks and iteration temporaries are alive at once (phases, shape groups cut to 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fake_cuda_memory import LiveBytes, fake_cuda
 
 import muon_plugin.functional as functional
 from muon_plugin import MuonForeach
+from muon_plugin.orthogonalize.coefficients import coefficient_schedule
+from muon_plugin.orthogonalize.iterations import IterationPath, run_iteration
 
 LLAMA_LAYER = (
     [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096)] + [(14336, 4096)] * 2 + [(4096, 14336)]
@@ -54,3 +57,30 @@ def test_llama_step_workspace_is_a_fraction_of_the_momentum(monkeypatch):
     # Before the bound on groups and phases, two 14336 x 4096 directions, four 4096 x 4096
     # ones and their stack's temporaries were alive at once: 0.30x the state.
     assert workspace <= 0.2 * state, f"{workspace / 2**20:.0f} MiB of workspace"
+
+
+@pytest.mark.parametrize(
+    "space, products, shape, bound",
+    [
+        # GPT-125M's three CUDA-graphed groups: a graph's pool keeps what its run allocated
+        ("x", "fp16", (48, 768, 768), 3.0),  # was 5.0: A, Q and the fp16 copy lived on
+        ("gram", "fp16", (12, 768, 3072), 2.25),  # was 2.75
+        ("gram", "fp16", (12, 3072, 768), 2.25),  # tall: transposed
+        ("x", "bf16", (8, 1024, 1024), 3.0),  # the plain loop; was 4.0
+    ],
+)
+def test_iteration_workspace_in_stacks(monkeypatch, space, products, shape, bound):
+    """What orthogonalizing one stack allocates beyond its input (the graph's static input, or
+    the executor's scratch stack), in units of the bf16 stack: temporaries are dropped as soon
+    as they are used, so a step holds X, its m x m matrices and the next X at most."""
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
+    schedule = coefficient_schedule("polar_express", 5)
+    with fake_cuda(monkeypatch):
+        G = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+        tracked = LiveBytes()
+        with tracked:
+            out = run_iteration(G, schedule, IterationPath(space, products), overwrite_input=True)
+        assert out.shape == G.shape and out.dtype == torch.bfloat16
+    # The input counts once: its views are made under the mode.
+    workspace = tracked.peak / (G.numel() * G.element_size()) - 1
+    assert workspace <= bound, f"{workspace:.2f} stacks"

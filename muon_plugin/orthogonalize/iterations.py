@@ -181,12 +181,8 @@ def iterate(
     the unnormalized input by its norm: with the kernel inside the first step (``A`` by the
     norm squared, ``Q`` by the norm), elsewhere before the loop (``X`` may be overwritten).
     """
-    q_form = path.mm_triton
     half = path.products == "fp16"
-    if half:
-        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
-        normalize = None
-    elif normalize is not None and not q_form:
+    if not half and normalize is not None and not path.mm_triton:
         normalize.scale_(X)
         normalize = None
     out = _iterate_loop(X, coefficients, scale, transpose_result, normalize, path)
@@ -201,9 +197,18 @@ def _iterate_loop(
     normalize: Normalization | None,
     path: IterationPath,
 ) -> Tensor:
-    """The steps of :func:`iterate`, in ``X``'s dtype: ``X <- Q X`` or one ``baddbmm``."""
+    """The steps of :func:`iterate`: ``X <- Q X`` or one ``baddbmm``, in ``X``'s dtype (fp16
+    on the ``"fp16"`` path, whose normalized copy is made here).
+
+    Each ``m x m`` temporary is dropped as soon as it is used (``del``), so a step holds ``X``,
+    two ``m x m`` matrices and the new ``X`` at most: for square matrices two stacks fewer
+    than if each lived until it was replaced (what a CUDA graph's pool keeps between steps).
+    """
     q_form = path.products != "bf16"
     xx, mm, tma = path.xx_triton, path.mm_triton, path.tma
+    if path.products == "fp16":  # the loop's own normalized fp16 copy, dropped after step 1
+        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
+        normalize = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X, kernel=xx, tma=tma)
@@ -215,17 +220,21 @@ def _iterate_loop(
                 inv = normalize.inverse_norms(A)
                 A.mul_((inv * inv).to(A.dtype))
             Q = gram(A, alpha=c * s, C=A, beta=b * s, gamma=a * s, kernel=mm, tma=tma)
+            del A
             if inv is not None:
                 Q.mul_(inv.to(Q.dtype))
             if final_transposed:
                 return torch.bmm(X.mT, Q)
             X = torch.bmm(Q, X)
+            del Q
             continue
         B = gram(A, alpha=c, C=A, beta=b, kernel=mm, tma=tma)
+        del A
         if _is_transposed(X):
             # A tall input seen through .mT: update its contiguous tall form, X^T <- X^T Q
             # (baddbmm copies its input, and a contiguous copy is a plain memcpy).
             T = torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+            del B
             if final_transposed:
                 return T
             X = T.mT
@@ -233,6 +242,7 @@ def _iterate_loop(
         if final_transposed:
             return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+        del B
     return X
 
 
@@ -302,14 +312,18 @@ def iterate_gram(
         Z = gram(R, alpha=c * k / s**2, C=R, beta=b * k / s, gamma=a * k, out_dtype=half, **mm)
         Q = Z if Q is None else gram(Q, Y=Z, **mm)
         taken += 1
+        if i == last or taken == restart_every:
+            del R, Z  # what is left of this stretch is Q (temporaries go as soon as they can)
         if i == last:
             break
         if taken == restart_every:
             X = torch.bmm(_applied(Q, inv, X.dtype), X)
+            Q = None
             R = gram(X, alpha=s, out_dtype=half, **xx)
-            Q, taken, inv = None, 0, None
+            taken, inv = 0, None
         else:
             R = gram(gram(Z, Y=R, **mm), Y=Z, **mm)  # Z R Z, symmetric since Z and R commute
+            del Z
     assert Q is not None
     Q = _applied(Q, inv, X.dtype)
     return torch.bmm(X.mT, Q) if transpose_result else torch.bmm(Q, X)
