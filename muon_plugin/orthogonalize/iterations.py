@@ -136,9 +136,10 @@ def run_iteration(
     """``scale`` times the approximate polar factor of ``G`` (``..., m, n``), in bf16, on ``path``.
 
     The caller's tensor is left untouched unless ``overwrite_input`` is set and ``G`` is a
-    contiguous bf16 scratch buffer. The input is divided by ``safety * ||G||_F`` (see
-    :class:`Normalization`), folded into the first step where its ``m x m`` products run in
-    the Triton kernel, elsewhere by scaling the bf16 copy in place first.
+    contiguous bf16 scratch buffer (the result may then come back in it). The input is divided
+    by ``safety * ||G||_F`` (see :class:`Normalization`), folded into the first step where its
+    ``m x m`` products run in the Triton kernel, elsewhere by scaling the bf16 copy in place
+    first.
     """
     shape = G.shape
     X = G.reshape(-1, shape[-2], shape[-1])
@@ -146,12 +147,13 @@ def run_iteration(
         X = X.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
     tall = X.size(-2) > X.size(-1)
     wide = X.mT if tall else X
-    run = iterate_gram if path.space == "gram" else iterate
     normalize = Normalization(schedule.norm_safety, eps)
     normalize.prescale_(X)
-    X = run(
-        wide, schedule.coefficients, scale, transpose_result=tall, normalize=normalize, path=path
-    )
+    kwargs = {"transpose_result": tall, "normalize": normalize, "path": path}
+    if path.space == "gram":  # X is this call's to overwrite: the result may go into it
+        X = iterate_gram(wide, schedule.coefficients, scale, out=X, **kwargs)
+    else:
+        X = iterate(wide, schedule.coefficients, scale, **kwargs)
     return X.reshape(shape)
 
 
@@ -274,6 +276,7 @@ def iterate_gram(
     normalize: Normalization | None = None,
     restart_every: int | None = None,
     path: IterationPath = PLAIN_PATH,
+    out: Tensor | None = None,
 ) -> Tensor:
     """:func:`iterate` run on the ``m x m`` Gram matrix of a wide batch ``X`` (``m <= n``).
 
@@ -287,7 +290,10 @@ def iterate_gram(
     products run in the Triton kernel where ``path`` says so, else as fp16 torch products.
     Same result as :func:`iterate` up to rounding (tested against it). ``normalize`` divides
     the unnormalized input by its norm: the first Gram matrix (formed in fp32) by the norm
-    squared, the first ``Q`` applied to ``X`` by the norm.
+    squared, the first ``Q`` applied to ``X`` by the norm. ``out``: a contiguous bf16 buffer
+    shaped like the result (``X``, or ``X^T`` with ``transpose_result``) that the caller no
+    longer needs, typically the input's own storage: the result is written into it once a
+    restart has re-formed ``X`` elsewhere (one stack less to allocate).
     """
     if restart_every is None:
         restart_every = gram_restart_interval(X.size(-2))
@@ -305,6 +311,7 @@ def iterate_gram(
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed
+    restarted = False
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         k = scale if i == last else 1.0
@@ -318,6 +325,7 @@ def iterate_gram(
             break
         if taken == restart_every:
             X = torch.bmm(_applied(Q, inv, X.dtype), X)
+            restarted = True
             Q = None
             R = gram(X, alpha=s, out_dtype=half, **xx)
             taken, inv = 0, None
@@ -326,7 +334,9 @@ def iterate_gram(
             del Z
     assert Q is not None
     Q = _applied(Q, inv, X.dtype)
-    return torch.bmm(X.mT, Q) if transpose_result else torch.bmm(Q, X)
+    if not restarted:
+        out = None  # X still is the input, perhaps that very buffer
+    return torch.bmm(X.mT, Q, out=out) if transpose_result else torch.bmm(Q, X, out=out)
 
 
 def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
