@@ -84,3 +84,22 @@ def test_iteration_workspace_in_stacks(monkeypatch, space, products, shape, boun
     # The input counts once: its views are made under the mode.
     workspace = tracked.peak / (G.numel() * G.element_size()) - 1
     assert workspace <= bound, f"{workspace:.2f} stacks"
+
+
+def test_a_stack_the_caller_may_overwrite_is_not_copied(monkeypatch):
+    """``Backend.run(..., overwrite_input=True)`` on a contiguous bf16 stack (a CUDA graph's
+    static input, the executor's assembled stack) works in that stack: no copy of it first
+    (there was one, a whole stack more in every graph's pool)."""
+    from muon_plugin.orthogonalize import MatrixSpec, get_backend
+
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
+    spec, backend = MatrixSpec(), get_backend("auto")
+    with fake_cuda(monkeypatch):
+        for shape, bound in (((48, 768, 768), 3.0), ((12, 768, 3072), 2.0)):
+            G = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+            path = backend.resolve(shape[1:], shape[0], G.device, torch.float32, spec)
+            tracked = LiveBytes()
+            with tracked:
+                backend.run(path, G, spec, overwrite_input=True)
+            workspace = tracked.peak / (G.numel() * G.element_size()) - 1
+            assert workspace <= bound, (shape, path.describe(), workspace)

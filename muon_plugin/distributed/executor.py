@@ -128,8 +128,11 @@ class Executor:
             return self._runner(group)(stack)
         path, spec = group.path, group.spec
         assert path is not None
-        if isinstance(stack, Tensor):
-            return [run_path(path, stack[s : s + 1], spec)[0] for s in range(len(stack))]
+        if isinstance(stack, Tensor):  # assembled here: each slot may be overwritten
+            return [
+                run_path(path, stack[s : s + 1], spec, overwrite_input=True)[0]
+                for s in range(len(stack))
+            ]
         return [run_path(path, [x], spec)[0] for x in stack]
 
     def _runner(self, group: ShapeGroup) -> Callable[[Stack], Tensor]:
@@ -153,6 +156,7 @@ class Executor:
                 out_dtype(group),
                 name=f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)",
                 stream=stream,
+                scratch=True,  # a stack is the pieces (stacked anew) or assembled here
             )
             self._runners[id(group)] = runner
         return runner

@@ -111,10 +111,15 @@ class Backend:
         *,
         name: str = "",
         stream: torch.cuda.Stream | None = None,
+        scratch: bool = False,
     ) -> Callable[[Stack], Tensor]:
         """``X -> run(path, X, spec, out_dtype)``, through a CUDA graph (on ``stream``) where
-        ``path.graph``; ``name`` names the group in a capture-failure warning."""
-        run = functools.partial(self.run, path, spec=spec, out_dtype=out_dtype)
+        ``path.graph``; ``name`` names the group in a capture-failure warning. ``scratch``: the
+        stacks it is given are the caller's scratch buffers, overwritten (no copy) and perhaps
+        holding the result."""
+        run = functools.partial(
+            self.run, path, spec=spec, out_dtype=out_dtype, overwrite_input=scratch
+        )
         return GraphedOrthogonalization(run, name, stream) if path.graph else run
 
     def elementwise_kernels(self) -> bool:

@@ -100,13 +100,16 @@ def run_stack(
     """Orthogonalize a stack ``(B, *param_shape)`` of whole updates with ``matrices``; bf16.
 
     ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
-    buffer, which ``matrices`` may then overwrite). Each matrix (or row block) is handed over
-    as a 3-D batch with the ``lr_shape_factor`` of its own shape, so ``param -= lr * result``
-    is the Muon update. Row blocks of one size share a shape and a scale: one call for them.
+    buffer, which ``matrices`` may then overwrite). With ``overwrite_input`` a contiguous bf16
+    tensor ``X`` is that scratch buffer itself (the caller's: no copy), and the result may come
+    back in it. Each matrix (or row block) is handed over as a 3-D batch with the
+    ``lr_shape_factor`` of its own shape, so ``param -= lr * result`` is the Muon update. Row
+    blocks of one size share a shape and a scale: one call for them.
     """
-    scratch = overwrite_input or not isinstance(X, Tensor)
-    if scratch:
-        X = stack_bf16(X)
+    if isinstance(X, Tensor):
+        scratch = overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()
+    else:
+        X, scratch = stack_bf16(X), True
     param_shape = tuple(X.shape[1:])
     batch, rows, cols = spec.matrix_view(param_shape)
     M = X.reshape(X.size(0) * batch, rows, cols)
