@@ -428,6 +428,20 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+@contextlib.contextmanager
+def kernel_from_m(min_m: int) -> Iterator[None]:
+    """The plans built inside run the Triton symmetric kernel for every product with m >=
+    ``min_m`` (a probe of the dispatch region: the default leaves m < 1024 to cuBLAS)."""
+    from muon_plugin.orthogonalize import paths
+
+    rule = paths.kernel_wins
+    paths.kernel_wins = lambda m, k, batch=1: m >= min_m
+    try:
+        yield
+    finally:
+        paths.kernel_wins = rule
+
+
 def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:
     """(name, fn of the input, environment, the fp64 loop it computes) for one input shape:
     the default path, Newton-Schulz, the plain bf16 loop, the default path on cuBLAS alone
@@ -818,6 +832,13 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             lambda ps: MuonForeach(ps, lr=LR, wd=WD),
             context=lambda: env_var("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1"),
             skip=None if torch.cuda.is_available() else "CUDA graphs need a GPU",
+        ),
+        Row(
+            "MuonForeach, Triton kernel from m = 512 (probe)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            context=lambda: kernel_from_m(512),
+            skip=None if torch.cuda.is_available() else "the Triton kernel needs a GPU",
         ),
         Row(
             "MuonForeach(compile=True)",

@@ -297,3 +297,20 @@ def test_pool_bytes_splits_default_and_graph_pools():
         {"total_size": 1 << 20},  # no pool id: the default pool
     ]
     assert benchmark.pool_bytes(snapshot) == {"default": 3 << 20, "graphs": 24 << 20}
+
+
+def test_kernel_probe_row_widens_the_dispatch_region_while_it_runs():
+    """The probe row's context sends m >= 512 products to the Triton kernel in the paths
+    resolved inside it (GPT-125M's 768 x 768 stack), and restores the rule after."""
+    import torch
+
+    from muon_plugin.orthogonalize.paths import Features, iteration_path
+
+    benchmark = load_script()
+    gpu = torch.device("cuda", 0)  # resolution only: nothing runs on it
+    before = iteration_path(48, 768, 768, gpu, Features(tma=False))
+    with benchmark.kernel_from_m(512):
+        inside = iteration_path(48, 768, 768, gpu, Features(tma=False))
+    assert (before.products, inside.products) == ("fp16", "triton")
+    assert inside.xx_triton and not before.xx_triton
+    assert iteration_path(48, 768, 768, gpu, Features(tma=False)) == before
