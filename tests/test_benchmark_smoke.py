@@ -314,3 +314,32 @@ def test_kernel_probe_row_widens_the_dispatch_region_while_it_runs():
     assert (before.products, inside.products) == ("fp16", "triton")
     assert inside.xx_triton and not before.xx_triton
     assert iteration_path(48, 768, 768, gpu, Features(tma=False)) == before
+
+
+def test_one_gpu_script_runs_and_merges_its_repeats(tmp_path):
+    """``scripts/run_one_gpu.sh bench`` (SMOKE=1: on the CPU, --quick): each repeat its own
+    process and JSON file, numbered after those already in $OUT, and the merged report."""
+    env = dict(
+        os.environ,
+        SMOKE="1",
+        OUT=str(tmp_path),
+        PYTHON=sys.executable,
+        REPEATS="2",
+        ROWS="MuonForeach (polar,AdamW",
+        BENCH_S="60",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+    )
+    (tmp_path / "bench1.json").write_text("{}")  # an earlier call's run: kept, not reused
+    script = ROOT / "scripts" / "run_one_gpu.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "bench"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "benchmark run 2 rc=0" in proc.stdout and "benchmark run 3 rc=0" in proc.stdout
+    for n in (2, 3):
+        rows = json.loads((tmp_path / f"bench{n}.json").read_text())["rows"]
+        step = {r["name"] for r in rows if r["section"] == "step"}
+        assert step == {"MuonForeach (polar_express)", "AdamW(fused=True)"}, step
+    merged = (tmp_path / "bench.txt").read_text()
+    assert "bench1.json: not a benchmark --json file" in merged  # named, not silently merged
