@@ -56,8 +56,8 @@ for phase in $PHASES; do
                 --budget "${BENCH_S:-400}" --json "$OUT/bench$n.json" >"$OUT/bench$n.log" 2>&1
             echo "benchmark run $n rc=$?" | tee -a "$OUT/bench$n.log"
         done
-        "$PY" scripts/benchmark.py --merge "$OUT"/bench[0-9]*.json "${MERGE_ARGS[@]}" \
-            >"$OUT/bench.txt" 2>&1
+        "$PY" scripts/benchmark.py --merge "$OUT"/bench[0-9]*.json \
+            ${MERGE_ARGS[@]+"${MERGE_ARGS[@]}"} >"$OUT/bench.txt" 2>&1
         ;;
     peers)
         timeout -k 15 $(("${PEERS_S:-500}" + 120)) "$PY" scripts/benchmark.py "${BENCH_ARGS[@]}" \
