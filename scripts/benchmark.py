@@ -1030,7 +1030,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def workload_entries(rows: list[dict], timed: bool, mem: bool) -> tuple[list[dict], list[dict]]:
-    """The step and memory section entries of one workload's rows (ratios added)."""
+    """The step and memory section entries of one workload's rows (their ratios added, or
+    updated when more rows came since)."""
     add_ratios(rows)
     step_rows: list[dict] = []
     mem_rows: list[dict] = []
@@ -1103,7 +1104,9 @@ def section_step(
             f"{wl.flops / 1e12:.3f} TFLOP per Muon step"
             + (f", plain-matmul floor {floor:.2f} ms" if floor else "")
         )
-        rows = []
+        rows: list[dict] = []
+        done_step: list[dict] = []
+        done_mem: list[dict] = []
         for row in optimizer_rows(cfg):
             if (dtype != torch.float32 and row.name not in BF16_ROWS) or not cfg.select.takes(
                 row.name
@@ -1118,9 +1121,8 @@ def section_step(
             r["floor_ms"] = floor
             rows.append(r)
             log("    " + step_line(r))
-            done_step, done_mem = workload_entries([dict(x) for x in rows], timed, mem)
+            done_step, done_mem = workload_entries(rows, timed, mem)
             saved(step_rows + done_step, mem_rows + done_mem)
-        done_step, done_mem = workload_entries(rows, timed, mem)
         step_rows += done_step
         mem_rows += done_mem
         del wl

@@ -184,7 +184,6 @@ def test_peer_rows_say_why_a_peer_is_skipped(monkeypatch):
 
 def test_memory_probe_counts_cuda_graph_pools():
     """Memory a captured graph holds between replays counts in the whole-run peak."""
-    import pytest
     import torch
 
     if not torch.cuda.is_available():

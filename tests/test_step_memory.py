@@ -10,6 +10,8 @@ stacks and iteration temporaries are alive at once (phases, shape groups cut to 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from fake_cuda_memory import LiveBytes, fake_cuda
@@ -59,6 +61,17 @@ def test_llama_step_workspace_is_a_fraction_of_the_momentum(monkeypatch):
     assert workspace <= 0.2 * state, f"{workspace / 2**20:.0f} MiB of workspace"
 
 
+def stacks_allocated(run, G: torch.Tensor) -> float:
+    """The peak of what ``run()`` allocates beyond the stack ``G`` it orthogonalizes, in units
+    of ``G``; its result must be a bf16 tensor shaped like ``G``."""
+    tracked = LiveBytes()
+    with tracked:
+        out = run()
+    assert out.shape == G.shape and out.dtype == torch.bfloat16
+    # The input counts once: its views are made under the mode.
+    return tracked.peak / (G.numel() * G.element_size()) - 1
+
+
 @pytest.mark.parametrize(
     "space, products, shape, bound",
     [
@@ -77,12 +90,9 @@ def test_iteration_workspace_in_stacks(monkeypatch, space, products, shape, boun
     schedule = coefficient_schedule("polar_express", 5)
     with fake_cuda(monkeypatch):
         G = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
-        tracked = LiveBytes()
-        with tracked:
-            out = run_iteration(G, schedule, IterationPath(space, products), overwrite_input=True)
-        assert out.shape == G.shape and out.dtype == torch.bfloat16
-    # The input counts once: its views are made under the mode.
-    workspace = tracked.peak / (G.numel() * G.element_size()) - 1
+        path = IterationPath(space, products)
+        run = functools.partial(run_iteration, G, schedule, path, overwrite_input=True)
+        workspace = stacks_allocated(run, G)
     assert workspace <= bound, f"{workspace:.2f} stacks"
 
 
@@ -98,8 +108,6 @@ def test_a_stack_the_caller_may_overwrite_is_not_copied(monkeypatch):
         for shape, bound in (((48, 768, 768), 3.0), ((12, 768, 3072), 2.0)):
             G = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
             path = backend.resolve(shape[1:], shape[0], G.device, torch.float32, spec)
-            tracked = LiveBytes()
-            with tracked:
-                backend.run(path, G, spec, overwrite_input=True)
-            workspace = tracked.peak / (G.numel() * G.element_size()) - 1
+            run = functools.partial(backend.run, path, G, spec, overwrite_input=True)
+            workspace = stacks_allocated(run, G)
             assert workspace <= bound, (shape, path.describe(), workspace)

@@ -92,9 +92,12 @@ class TuningCache:
     """
 
     def __init__(self, gpu: str, triton_version: str, family: str | None = None) -> None:
-        self.family = family and _file_part(f"{family}-triton{triton_version}")
-        name = _file_part(f"{gpu}-{self.family}" if family else f"{gpu}-triton{triton_version}")
-        self.path = cache_dir() / f"autotune-{name}.json"
+        suffix = _file_part(
+            f"{family}-triton{triton_version}" if family else f"triton{triton_version}"
+        )
+        self.path = cache_dir() / f"autotune-{_file_part(gpu)}-{suffix}.json"
+        self._family_tables = f"autotune-*-{suffix}.json" if family else None
+        """The glob of the shipped tables of this GPU's family (None: no family given)."""
         self.packaged_path = PACKAGED_DIR / self.path.name
         self._entries: dict[str, dict[str, Any]] | None = None
         self._packaged: dict[str, dict[str, Any]] | None = None
@@ -118,21 +121,17 @@ class TuningCache:
             return None
         entry = self.entry_key(kernel_hash, key)
         found = self._load().get(entry)
-        if found is None and own_table_only():
-            return None
-        if found is None:
-            if self._packaged is None:
-                self._packaged = read_table(self.packaged_path)
-            found = self._packaged.get(entry)
-        if found is None:
-            found = self._from_siblings(entry)
-        return found
+        if found is not None or own_table_only():
+            return found
+        if self._packaged is None:
+            self._packaged = read_table(self.packaged_path)
+        found = self._packaged.get(entry)
+        return self._from_siblings(entry) if found is None else found
 
     def _from_siblings(self, entry: str) -> dict[str, Any] | None:
         if self._siblings is None:
-            paths = (
-                sorted(PACKAGED_DIR.glob(f"autotune-*-{self.family}.json")) if self.family else []
-            )
+            pattern = self._family_tables
+            paths = sorted(PACKAGED_DIR.glob(pattern)) if pattern else []
             self._siblings = [(p, read_table(p)) for p in paths if p != self.packaged_path]
         for path, entries in self._siblings:
             found = entries.get(entry)

@@ -183,12 +183,8 @@ def iterate(
     the unnormalized input by its norm: with the kernel inside the first step (``A`` by the
     norm squared, ``Q`` by the norm), elsewhere before the loop (``X`` may be overwritten).
     """
-    half = path.products == "fp16"
-    if not half and normalize is not None and not path.mm_triton:
-        normalize.scale_(X)
-        normalize = None
     out = _iterate_loop(X, coefficients, scale, transpose_result, normalize, path)
-    return out.to(torch.bfloat16) if half else out
+    return out.to(torch.bfloat16) if path.products == "fp16" else out
 
 
 def _iterate_loop(
@@ -200,7 +196,9 @@ def _iterate_loop(
     path: IterationPath,
 ) -> Tensor:
     """The steps of :func:`iterate`: ``X <- Q X`` or one ``baddbmm``, in ``X``'s dtype (fp16
-    on the ``"fp16"`` path, whose normalized copy is made here).
+    on the ``"fp16"`` path). The input is normalized here: into the loop's own fp16 copy
+    (dropped after the first step), inside the first step where the Triton kernel forms ``Q``,
+    else by scaling ``X`` in place.
 
     Each ``m x m`` temporary is dropped as soon as it is used (``del``), so a step holds ``X``,
     two ``m x m`` matrices and the new ``X`` at most: for square matrices two stacks fewer
@@ -208,8 +206,11 @@ def _iterate_loop(
     """
     q_form = path.products != "bf16"
     xx, mm, tma = path.xx_triton, path.mm_triton, path.tma
-    if path.products == "fp16":  # the loop's own normalized fp16 copy, dropped after step 1
+    if path.products == "fp16":
         X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
+        normalize = None
+    elif normalize is not None and not mm:
+        normalize.scale_(X)
         normalize = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
@@ -311,32 +312,31 @@ def iterate_gram(
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed
-    restarted = False
+    result_into = None  # ``out`` once a restart has re-formed X elsewhere
     last = len(coefficients) - 1
+    # Temporaries are dropped (``del``) as soon as they have been used.
     for i, (a, b, c) in enumerate(coefficients):
         k = scale if i == last else 1.0
         # Z = a I + b (R / s) + c (R / s)^2, summed in fp32 and rounded once.
         Z = gram(R, alpha=c * k / s**2, C=R, beta=b * k / s, gamma=a * k, out_dtype=half, **mm)
         Q = Z if Q is None else gram(Q, Y=Z, **mm)
         taken += 1
-        if i == last or taken == restart_every:
-            del R, Z  # what is left of this stretch is Q (temporaries go as soon as they can)
         if i == last:
             break
         if taken == restart_every:
+            del R, Z
             X = torch.bmm(_applied(Q, inv, X.dtype), X)
-            restarted = True
-            Q = None
+            Q, taken, inv, result_into = None, 0, None, out
             R = gram(X, alpha=s, out_dtype=half, **xx)
-            taken, inv = 0, None
         else:
             R = gram(gram(Z, Y=R, **mm), Y=Z, **mm)  # Z R Z, symmetric since Z and R commute
             del Z
+    del R, Z
     assert Q is not None
     Q = _applied(Q, inv, X.dtype)
-    if not restarted:
-        out = None  # X still is the input, perhaps that very buffer
-    return torch.bmm(X.mT, Q, out=out) if transpose_result else torch.bmm(Q, X, out=out)
+    if transpose_result:
+        return torch.bmm(X.mT, Q, out=result_into)
+    return torch.bmm(Q, X, out=result_into)
 
 
 def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
