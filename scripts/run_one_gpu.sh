@@ -14,7 +14,7 @@
 # tune   the symmetric kernel autotuned afresh on this GPU (no shipped table borrowed): the
 #        table to ship for it in muon_plugin/kernels/tuned/ lands in $OUT/autotune/
 # Every phase keeps what it finished when a budget cuts it. PYTHON (default python3) runs
-# everything. SMOKE=1: the same on a CPU with --quick (to check this script).
+# everything; WORKLOADS (e.g. gpt) limits bench and peers to those workloads. SMOKE=1: the same on a CPU with --quick (to check this script).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -31,6 +31,7 @@ else
     BENCH_ARGS=(--no-compile --device cuda)
     MERGE_ARGS=()
 fi
+[[ -n "${WORKLOADS:-}" ]] && BENCH_ARGS+=(--workloads "$WORKLOADS")
 { date -u; command -v nvidia-smi >/dev/null && nvidia-smi -L; "$PY" -c 'import torch, triton
 print("torch", torch.__version__, "| triton", triton.__version__)'; git rev-parse --short HEAD; } \
     >"$OUT/machine.txt" 2>&1

@@ -1,0 +1,124 @@
+"""Where one ``optimizer.step()`` spends its time: a kernel table from torch.profiler.
+
+    python scripts/profile_step.py --workload gpt --steps 5 [--trace trace.json]
+
+Builds one of ``benchmark.py``'s workloads (fp32 params and grads), warms the optimizer up, then
+profiles ``--steps`` steps and prints, per step: the wall time (CUDA events), the time some
+kernel was running on the GPU (the union of kernel intervals: the rest is the GPU waiting for
+the host or for a dependency), the summed kernel time over all streams, the kernel count, and
+the kernels grouped by name with their share. ``--trace`` also writes a Chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmark import gpt_shapes, llama_shapes, make_workload  # noqa: E402
+
+from muon_plugin import MuonForeach, MuonLP  # noqa: E402
+
+OPTIMIZERS = {
+    "foreach": lambda ps: MuonForeach(ps, lr=0.02, wd=0.01),
+    "lp-int8": lambda ps: MuonLP(ps, lr=0.02, wd=0.01, state_dtype="int8"),
+}
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (microseconds)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s >= end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def kernel_events(prof: torch.profiler.profile) -> list:
+    """The profile's device kernels (memcpy and memset included)."""
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            out.append(e)
+    return out
+
+
+def report(prof: torch.profiler.profile, steps: int, wall_ms: list[float], top: int) -> str:
+    kernels = kernel_events(prof)
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    summed = sum(e - s for s, e in spans)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.time_range.elapsed_us())
+    lines = [
+        f"steps profiled: {steps}; step wall ms (CUDA events): "
+        + ", ".join(f"{t:.3f}" for t in wall_ms),
+        f"per step: GPU busy {busy_us(spans) / steps / 1e3:.3f} ms, kernel time summed over "
+        f"streams {summed / steps / 1e3:.3f} ms, {len(kernels) / steps:.0f} kernels",
+        "",
+        f"{'ms/step':>8} {'share':>6} {'calls/step':>10} {'us/call':>8}  kernel",
+    ]
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, ts in ranked[:top]:
+        t = sum(ts)
+        lines.append(
+            f"{t / steps / 1e3:8.3f} {t / summed:6.1%} {len(ts) / steps:10.1f} "
+            f"{t / len(ts):8.1f}  {name[:110]}"
+        )
+    rest = sum(sum(ts) for _, ts in ranked[top:])
+    if rest:
+        lines.append(f"{rest / steps / 1e3:8.3f} {rest / summed:6.1%} {'':>10} {'':>8}  (others)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="foreach")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", type=Path, help="write a Chrome trace here")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE set before building")
+    args = p.parse_args()
+    for kv in args.env:
+        key, _, value = kv.partition("=")
+        os.environ[key] = value
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA device")
+    device = torch.device("cuda")
+    shapes = gpt_shapes(12, 1) if args.workload == "gpt" else llama_shapes(4, 1)
+    wl = make_workload(args.workload, shapes, device, iters=args.steps)
+    opt = OPTIMIZERS[args.optimizer](wl.params)
+    for _ in range(args.warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    wall = []
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            opt.step()
+            b.record()
+            b.synchronize()
+            wall.append(a.elapsed_time(b))
+    print(f"{args.workload}, {args.optimizer}, env {args.env or 'default'}")
+    print(report(prof, args.steps, wall, args.top))
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+
+
+if __name__ == "__main__":
+    main()
