@@ -429,13 +429,13 @@ def env_var(name: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kernel_from_m(min_m: int) -> Iterator[None]:
-    """The plans built inside run the Triton symmetric kernel for every product with m >=
-    ``min_m`` (a probe of the dispatch region: the default leaves m < 1024 to cuBLAS)."""
+def cublas_below_m(min_m: int) -> Iterator[None]:
+    """The plans built inside leave every product with m < ``min_m`` to cuBLAS, CUDA-graphed
+    or not (an ablation of the kernel's wider region inside graphs)."""
     from muon_plugin.orthogonalize import paths
 
     rule = paths.kernel_wins
-    paths.kernel_wins = lambda m, k, batch=1: m >= min_m
+    paths.kernel_wins = lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch)
     try:
         yield
     finally:
@@ -834,10 +834,10 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             skip=None if torch.cuda.is_available() else "CUDA graphs need a GPU",
         ),
         Row(
-            "MuonForeach, Triton kernel from m = 512 (probe)",
+            "MuonForeach, cuBLAS below m = 1024",
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD),
-            context=lambda: kernel_from_m(512),
+            context=lambda: cublas_below_m(1024),
             skip=None if torch.cuda.is_available() else "the Triton kernel needs a GPU",
         ),
         Row(

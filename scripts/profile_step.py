@@ -46,11 +46,15 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def kernel_events(prof: torch.profiler.profile) -> list:
-    """The profile's device kernels (memcpy and memset included)."""
+    """The profile's device kernels (memcpy and memset included; the GPU-side ranges of user
+    annotations such as ``Optimizer.step#...`` left out)."""
     out = []
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            out.append(e)
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
+            continue
+        if getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer."):
+            continue
+        out.append(e)
     return out
 
 

@@ -112,6 +112,12 @@ def test_auto_paths_by_shape(hopper):
     assert describe((1024, 4096), 8) == "gram, fp16 cublas + X X^T triton(tma), graph"
     assert describe((1024, 4096), 0) == "gram, fp16 cublas, eager"  # nothing owned here
     assert describe((128, 128), 48, compile=True) == "x, fp16 cublas, eager"
+    # GPT-125M's stacks: inside a graph the kernel takes m = 768; eager, cuBLAS keeps it
+    assert describe((768, 768), 48) == "x, triton(tma), graph"
+    assert describe((768, 3072), 12) == "gram, triton(tma), graph"
+    assert describe((3072, 768), 12) == "gram, triton(tma), graph"
+    assert describe((768, 768), 48, compile=True) == "x, fp16 cublas, eager"
+    assert describe((512, 512), 48) == "x, fp16 cublas, graph"  # below GRAPHED_MIN_M
     split = describe((96, 64), 8, split_sizes=(32, 64))
     assert split == "gram, fp16 cublas; x, fp16 cublas, graph"
 
@@ -145,14 +151,15 @@ def test_environment_switches_are_read_at_resolution(hopper):
 @pytest.mark.parametrize("batch", [1, 4, 8, 32])
 def test_auto_reproduces_the_per_product_dispatch(hopper, batch):
     """Today's rules: each product in the Triton kernel where ``use_symmetric_kernel`` says so
-    for its own shape; Gram space where ``n >= 2m``; the fp16 Q-form where the ``m x m``
-    products are not in the kernel."""
-    for m, n in itertools.product([256, 1024, 2048, 4096], [1024, 2048, 4096, 14336]):
+    for its own shape and whether the stack is graphed; Gram space where ``n >= 2m``; the fp16
+    Q-form where the ``m x m`` products are not in the kernel."""
+    for m, n in itertools.product([256, 768, 1024, 2048, 4096], [1024, 2048, 4096, 14336]):
         if m > n:
             continue
-        got = resolve_path((m, n), batch, GPU, F32, MatrixSpec()).iteration(m)
-        mm = use_symmetric_kernel(m, m, batch)
-        assert got.xx_triton == use_symmetric_kernel(m, n, batch), (m, n)
+        resolved = resolve_path((m, n), batch, GPU, F32, MatrixSpec())
+        got, graphed = resolved.iteration(m), resolved.graph
+        mm = use_symmetric_kernel(m, m, batch, graphed)
+        assert got.xx_triton == use_symmetric_kernel(m, n, batch, graphed), (m, n)
         assert got.space == ("gram" if n >= 2 * m else "x"), (m, n)
         assert got.products == ("triton" if mm else "fp16"), (m, n)
 

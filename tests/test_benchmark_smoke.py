@@ -298,21 +298,23 @@ def test_pool_bytes_splits_default_and_graph_pools():
     assert benchmark.pool_bytes(snapshot) == {"default": 3 << 20, "graphs": 24 << 20}
 
 
-def test_kernel_probe_row_widens_the_dispatch_region_while_it_runs():
-    """The probe row's context sends m >= 512 products to the Triton kernel in the paths
-    resolved inside it (GPT-125M's 768 x 768 stack), and restores the rule after."""
+def test_cublas_ablation_row_narrows_the_dispatch_region_while_it_runs():
+    """Inside the ablation row's context a graphed 48 x 768 x 768 stack (GPT-125M's) goes back
+    to cuBLAS; outside it, and after, the graphed stack takes the Triton kernel and the eager
+    one cuBLAS."""
     import torch
 
     from muon_plugin.orthogonalize.paths import Features, iteration_path
 
     benchmark = load_script()
     gpu = torch.device("cuda", 0)  # resolution only: nothing runs on it
-    before = iteration_path(48, 768, 768, gpu, Features(tma=False))
-    with benchmark.kernel_from_m(512):
-        inside = iteration_path(48, 768, 768, gpu, Features(tma=False))
-    assert (before.products, inside.products) == ("fp16", "triton")
-    assert inside.xx_triton and not before.xx_triton
-    assert iteration_path(48, 768, 768, gpu, Features(tma=False)) == before
+    graphed = iteration_path(48, 768, 768, gpu, Features(tma=False), graphed=True)
+    eager = iteration_path(48, 768, 768, gpu, Features(tma=False))
+    with benchmark.cublas_below_m(1024):
+        inside = iteration_path(48, 768, 768, gpu, Features(tma=False), graphed=True)
+    assert (graphed.products, eager.products, inside.products) == ("triton", "fp16", "fp16")
+    assert graphed.xx_triton and not inside.xx_triton
+    assert iteration_path(48, 768, 768, gpu, Features(tma=False), graphed=True) == graphed
 
 
 def test_one_gpu_script_runs_and_merges_its_repeats(tmp_path):

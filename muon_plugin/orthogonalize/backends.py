@@ -134,11 +134,17 @@ class IterationBackend(Backend):
         self.features = features
 
     def iteration_path(
-        self, batch: int, m: int, n: int, device: torch.device, gram_space: bool | None = None
+        self,
+        batch: int,
+        m: int,
+        n: int,
+        device: torch.device,
+        gram_space: bool | None = None,
+        graphed: bool = False,
     ) -> IterationPath:
         """The path of a batch of wide ``m x n`` matrices (see ``paths.iteration_path``)."""
         features = self.features.under_environment()
-        return iteration_path(batch, m, n, device, features, gram_space)
+        return iteration_path(batch, m, n, device, features, gram_space, graphed)
 
     def resolve(
         self,
@@ -148,15 +154,16 @@ class IterationBackend(Backend):
         dtype: torch.dtype,
         spec: MatrixSpec,
     ) -> ResolvedPath:
-        """Per row-block size the :func:`~muon_plugin.orthogonalize.paths.iteration_path` of
-        its batch (the stack's matrices of that size), and a graph for small CUDA stacks."""
-        iterations = tuple(
-            (rows, self.iteration_path(batch, min(rows, cols), max(rows, cols), device))
-            for rows, cols, batch in spec.block_batches(shape, stack)
-        )
+        """A graph for small CUDA stacks, and per row-block size the
+        :func:`~muon_plugin.orthogonalize.paths.iteration_path` of its batch (the stack's
+        matrices of that size; inside a graph the kernel's region is wider)."""
         features = self.features.under_environment()
         graph = features.graphs and use_cuda_graph(device, stack, math.prod(shape), spec)
-        return ResolvedPath(iterations=iterations, graph=graph)
+        iterations = []
+        for rows, cols, batch in spec.block_batches(shape, stack):
+            m, n = sorted((rows, cols))
+            iterations.append((rows, self.iteration_path(batch, m, n, device, None, graph)))
+        return ResolvedPath(iterations=tuple(iterations), graph=graph)
 
     def orthogonalize(
         self,

@@ -65,12 +65,14 @@ def iteration_path(
     device: torch.device,
     features: Features,
     gram_space: bool | None = None,
+    graphed: bool = False,
 ) -> IterationPath:
     """The path of a batch of ``batch`` wide ``m x n`` matrices (``m <= n``) on ``device``.
 
     - Triton products where the kernel beats cuBLAS for that product's shape
-      (:func:`~muon_plugin.kernels.use_symmetric_kernel`): ``X X^T`` of ``(batch, m, n)`` and
-      the ``m x m`` products of ``(batch, m, m)``, on CUDA;
+      (:func:`~muon_plugin.kernels.use_symmetric_kernel`, told whether the batch is replayed
+      from a CUDA graph): ``X X^T`` of ``(batch, m, n)`` and the ``m x m`` products of
+      ``(batch, m, m)``, on CUDA;
     - Gram space on CUDA where ``n >= GRAM_MIN_ASPECT * m`` (:func:`use_gram_iteration`),
       unless ``gram_space`` says otherwise;
     - else, where the ``m x m`` products do not run in the kernel, the fp16 cuBLAS Q-form on
@@ -78,8 +80,8 @@ def iteration_path(
     """
     cuda = device.type == "cuda"
     triton = features.triton and cuda
-    xx = triton and kernel_wins(m, n, batch)
-    mm = triton and kernel_wins(m, m, batch)
+    xx = triton and kernel_wins(m, n, batch, graphed)
+    mm = triton and kernel_wins(m, m, batch, graphed)
     if gram_space is None:
         gram_space = features.gram and gram_space_wins(m, n, cuda)
     if mm:
