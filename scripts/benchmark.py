@@ -442,6 +442,20 @@ def cublas_below_m(min_m: int) -> Iterator[None]:
         paths.kernel_wins = rule
 
 
+@contextlib.contextmanager
+def torch_matrix_scaling() -> Iterator[None]:
+    """The per-matrix scalings of the orthogonalization (pre-scaling, folded norms) as torch
+    ops instead of the Triton kernel (an ablation; the same results)."""
+    from muon_plugin.kernels import matrix_scale
+
+    rule = matrix_scale._use_kernel
+    matrix_scale._use_kernel = lambda X, kernel: False
+    try:
+        yield
+    finally:
+        matrix_scale._use_kernel = rule
+
+
 def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:
     """(name, fn of the input, environment, the fp64 loop it computes) for one input shape:
     the default path, Newton-Schulz, the plain bf16 loop, the default path on cuBLAS alone
@@ -838,6 +852,13 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD),
             context=lambda: cublas_below_m(1024),
+            skip=None if torch.cuda.is_available() else "the Triton kernel needs a GPU",
+        ),
+        Row(
+            "MuonForeach, torch per-matrix scaling",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+            context=torch_matrix_scaling,
             skip=None if torch.cuda.is_available() else "the Triton kernel needs a GPU",
         ),
         Row(

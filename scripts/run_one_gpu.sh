@@ -45,6 +45,7 @@ for phase in $PHASES; do
             tests/test_kernels.py tests/test_cuda_graphs.py tests/test_orthogonalize.py \
             tests/test_backends.py tests/test_lp_int8.py tests/test_quantized_kernels.py \
             tests/test_step_memory.py tests/test_tuning_cache.py tests/test_benchmark_smoke.py \
+            tests/test_matrix_scale.py \
             >"$OUT/tests.log" 2>&1
         echo "pytest rc=$?" | tee -a "$OUT/tests.log"
         ;;

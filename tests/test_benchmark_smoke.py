@@ -317,6 +317,17 @@ def test_cublas_ablation_row_narrows_the_dispatch_region_while_it_runs():
     assert iteration_path(48, 768, 768, gpu, Features(tma=False), graphed=True) == graphed
 
 
+def test_torch_scaling_ablation_row_switches_the_kernel_off_while_it_runs():
+    from muon_plugin.kernels import matrix_scale
+
+    benchmark = load_script()
+    rule = matrix_scale._use_kernel
+    with benchmark.torch_matrix_scaling():
+        assert matrix_scale._use_kernel is not rule
+        assert not matrix_scale._use_kernel(None, True)
+    assert matrix_scale._use_kernel is rule
+
+
 def test_one_gpu_script_runs_and_merges_its_repeats(tmp_path):
     """``scripts/run_one_gpu.sh bench`` (SMOKE=1: on the CPU, --quick): each repeat its own
     process and JSON file, numbered after those already in $OUT, and the merged report."""

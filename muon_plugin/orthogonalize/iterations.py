@@ -12,13 +12,13 @@ told by the path whether to use the Triton kernel (and its TMA loads).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from muon_plugin.kernels import gram
+from muon_plugin.kernels.matrix_scale import prescale_huge_, scale_matrices_
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
 
 SPACES = ("x", "gram")
@@ -57,6 +57,11 @@ class IterationPath:
         """Whether the ``m x m`` products run in the Triton kernel."""
         return self.products == "triton"
 
+    @property
+    def uses_triton(self) -> bool:
+        """Whether any product runs in Triton (then the per-matrix scalings do too)."""
+        return self.xx_triton or self.mm_triton
+
     def describe(self) -> str:
         """E.g. ``"gram, triton(tma)"``, ``"x, fp16 cublas"``, ``"x, bf16"``."""
         kernel = f"triton({'tma' if self.tma else 'ptr'})"
@@ -85,21 +90,17 @@ class Normalization:
     # sum of squares behind the norm (and the Gram matrix) overflows above ~1.8e19.
     PRESCALE_ABOVE = 2.0**32
 
-    def prescale_(self, X: Tensor) -> None:
+    def prescale_(self, X: Tensor, kernel: bool = False) -> None:
         """Scale each matrix of the batch ``X`` whose max-abs is huge by a power of two, in place.
 
         The polar factor does not depend on a positive scale, and a power of two is exact, so
         this changes nothing for ordinary inputs (the factor is exactly 1) and lets inputs with
         entries up to the dtype's maximum be orthogonalized like any other instead of giving
         an overflowed norm (an exactly zero, or non-finite, result). Non-finite inputs stay
-        non-finite.
+        non-finite. ``kernel``: in the Triton kernel (which skips the matrices left as they
+        are), same results.
         """
-        amax = torch.linalg.vector_norm(
-            X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
-        )
-        big = amax > self.PRESCALE_ABOVE
-        factor = torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0)
-        X.mul_(factor.to(X.dtype))
+        prescale_huge_(X, self.PRESCALE_ABOVE, kernel)
 
     def _inverse(self, norm: Tensor) -> Tensor:
         return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()
@@ -109,10 +110,9 @@ class Normalization:
         trace = gram_matrix.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)
         return self._inverse(trace.clamp_min(0.0).sqrt_()).view(-1, 1, 1)
 
-    def scale_(self, X: Tensor) -> None:
-        """Divide the batch ``X`` by its norms in place."""
-        # Same-dtype in-place scaling runs at memory speed; a bf16 * fp32 mix would not.
-        X.mul_(self._inverse(self._norms(X)).to(X.dtype))
+    def scale_(self, X: Tensor, kernel: bool = False) -> None:
+        """Divide the batch ``X`` by its norms in place (``kernel``: in the Triton kernel)."""
+        scale_matrices_(X, self._inverse(self._norms(X)), kernel)
 
     def scaled_copy(self, X: Tensor, dtype: torch.dtype) -> Tensor:
         """``X`` divided by its norms, in a new ``dtype`` tensor (one pass; X's strides)."""
@@ -148,7 +148,7 @@ def run_iteration(
     tall = X.size(-2) > X.size(-1)
     wide = X.mT if tall else X
     normalize = Normalization(schedule.norm_safety, eps)
-    normalize.prescale_(X)
+    normalize.prescale_(X, path.uses_triton)
     kwargs = {"transpose_result": tall, "normalize": normalize, "path": path}
     if path.space == "gram":  # X is this call's to overwrite: the result may go into it
         X = iterate_gram(wide, schedule.coefficients, scale, out=X, **kwargs)
@@ -210,7 +210,7 @@ def _iterate_loop(
         X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
         normalize = None
     elif normalize is not None and not mm:
-        normalize.scale_(X)
+        normalize.scale_(X, path.uses_triton)
         normalize = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
@@ -221,11 +221,11 @@ def _iterate_loop(
             inv = None
             if i == 0 and normalize is not None:
                 inv = normalize.inverse_norms(A)
-                A.mul_((inv * inv).to(A.dtype))
+                scale_matrices_(A, inv * inv, mm)
             Q = gram(A, alpha=c * s, C=A, beta=b * s, gamma=a * s, kernel=mm, tma=tma)
             del A
             if inv is not None:
-                Q.mul_(inv.to(Q.dtype))
+                scale_matrices_(Q, inv, mm)
             if final_transposed:
                 return torch.bmm(X.mT, Q)
             X = torch.bmm(Q, X)

@@ -1,0 +1,63 @@
+"""Scaling each matrix of a batch by its own factor, in place: one pass at memory speed.
+
+The orthogonalization scales whole stacks by per-matrix factors: a power of two for the rare
+matrix with huge entries (before its norm is formed), and the inverse norms folded into its
+first products. As ``X.mul_(factor)`` with a ``(B, 1, 1)`` factor these are broadcasting
+kernels that run at about half of memory speed, and the power-of-two pre-scaling touches every
+element even where every factor is 1. The Triton kernel here streams contiguous blocks (and
+skips the matrices whose pre-scaling factor is 1) with results bit for bit those of the torch
+ops, which remain the path on the CPU, without triton, or where the caller says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+
+import torch
+
+from muon_plugin.kernels.symmetric import triton_available
+
+
+@functools.cache
+def _module() -> ModuleType:
+    from muon_plugin.kernels import _scale_triton
+
+    return _scale_triton
+
+
+def _use_kernel(X: torch.Tensor, kernel: bool) -> bool:
+    return kernel and X.is_cuda and triton_available() and _module().launchable(X)
+
+
+def scale_matrices_(X: torch.Tensor, factors: torch.Tensor, kernel: bool = False) -> None:
+    """``X.mul_(factors.to(X.dtype))`` for a batch ``X`` (``B, ...``) and ``factors`` of ``B``
+    elements (e.g. ``(B, 1, 1)``); with ``kernel``, in the Triton kernel where it applies."""
+    if _use_kernel(X, kernel):
+        _module().scale_matrices_(X, factors.float(), None)
+    else:
+        _torch_scale_(X, factors)
+
+
+def prescale_huge_(X: torch.Tensor, above: float, kernel: bool = False) -> None:
+    """Scale each matrix of the batch ``X`` whose max-abs exceeds ``above`` by the power of two
+    that brings its max-abs into ``[1, 2)``, in place; other matrices are left as they are.
+
+    A power of two is exact, so this changes nothing but the magnitude (see
+    ``Normalization.prescale_`` in the orthogonalization).
+    """
+    amax = torch.linalg.vector_norm(
+        X, ord=math.inf, dim=tuple(range(1, X.dim())), dtype=torch.float32
+    )
+    if _use_kernel(X, kernel):
+        _module().scale_matrices_(X, amax, above)
+        return
+    big = amax > above
+    _torch_scale_(X, torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0))
+
+
+def _torch_scale_(X: torch.Tensor, factors: torch.Tensor) -> None:
+    """``X *= factors`` per matrix, the factors rounded to X's dtype first (a same-dtype
+    in-place product; a bf16 * fp32 mix would run slower)."""
+    X.mul_(factors.to(X.dtype).view(-1, *([1] * (X.dim() - 1))))

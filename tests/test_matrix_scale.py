@@ -1,0 +1,64 @@
+"""Per-matrix scaling (muon_plugin.kernels.matrix_scale): the Triton kernel equals torch's ops.
+
+The interpreter check runs in a subprocess (TRITON_INTERPRET must be set before triton is
+imported): the helper module tests/kernel_interpreter_scale.py. On a GPU the kernel is checked
+against the same ops directly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from subprocess_env import python_env
+
+from muon_plugin.kernels import triton_available
+from muon_plugin.kernels.matrix_scale import prescale_huge_, scale_matrices_
+
+REPO = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
+)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_scale_kernel_matches_torch_in_the_interpreter():
+    env = python_env(TRITON_INTERPRET="1")
+    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
+    script = REPO / "tests" / "kernel_interpreter_scale.py"
+    res = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_cpu_batches_take_the_torch_ops():
+    X = torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    f = torch.tensor([0.5, 3.0, 1.0]).view(3, 1, 1)
+    out = X.clone()
+    scale_matrices_(out, f, kernel=True)  # the kernel is for CUDA tensors only
+    assert torch.equal(out, X * f.to(X.dtype))
+    big = X.clone()
+    big[1] *= 2.0**40
+    prescale_huge_(big, 2.0**32, kernel=True)
+    assert torch.equal(big[0], X[0]) and torch.equal(big[2], X[2])
+    assert 1.0 <= big[1].abs().max().item() < 2.0  # brought into [1, 2) by a power of two
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_kernel_matches_torch_on_the_gpu(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    X = torch.randn(48, 768, 768, device="cuda", generator=g).to(dtype)
+    f = torch.rand(48, 1, 1, device="cuda", generator=g) + 0.01
+    out = X.clone()
+    scale_matrices_(out, f, kernel=True)
+    assert torch.equal(out, X.mul(f.to(dtype)))
+    if dtype != torch.float16:
+        X[5] *= 1e12
+    kernel, eager = X.clone(), X.clone()
+    prescale_huge_(kernel, 2.0**32, kernel=True)
+    prescale_huge_(eager, 2.0**32, kernel=False)
+    assert torch.equal(kernel, eager)
