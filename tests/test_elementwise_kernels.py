@@ -8,28 +8,17 @@ nearest even; the check patches it to round like the GPU (and like torch).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from subprocess_env import python_env
+from subprocess_env import run_in_interpreter
 
 from muon_plugin.kernels import triton_available
 from muon_plugin.kernels.elementwise import kernel_groups
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_grouped_elementwise_kernels_match_foreach_math():
-    env = python_env(TRITON_INTERPRET="1")
-    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
-    script = REPO / "tests" / "kernel_interpreter_elementwise.py"
-    res = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    res = run_in_interpreter("kernel_interpreter_elementwise.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 

@@ -6,18 +6,13 @@ against the same ops directly."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from subprocess_env import python_env
+from subprocess_env import run_in_interpreter
 
 from muon_plugin.kernels import triton_available
 from muon_plugin.kernels.matrix_scale import prescale_huge_, scale_matrices_
 
-REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
 )
@@ -25,12 +20,7 @@ cuda = pytest.mark.skipif(
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_scale_kernel_matches_torch_in_the_interpreter():
-    env = python_env(TRITON_INTERPRET="1")
-    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
-    script = REPO / "tests" / "kernel_interpreter_scale.py"
-    res = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    res = run_in_interpreter("kernel_interpreter_scale.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 

@@ -6,29 +6,18 @@ tests/test_lp_int8.py (CUDA only)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from subprocess_env import python_env
+from subprocess_env import run_in_interpreter
 
 from muon_plugin.kernels import triton_available
 from muon_plugin.kernels.quantized import int8_kernel_applies
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_int8_momentum_kernel_matches_torchao_ops():
     pytest.importorskip("torchao")
-    env = python_env(TRITON_INTERPRET="1")
-    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
-    script = REPO / "tests" / "kernel_interpreter_quantized.py"
-    res = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    res = run_in_interpreter("kernel_interpreter_quantized.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
