@@ -17,15 +17,22 @@ def python_env(**overrides: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **overrides}
 
 
-def run_in_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``tests/<script>`` in a Python subprocess under the Triton interpreter
-    (``TRITON_INTERPRET=1``, set before triton is imported; Triton not switched off)."""
-    env = python_env(TRITON_INTERPRET="1")
-    env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
+def run_test_script(script: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """Run the helper module ``tests/<script>`` in a fresh Python subprocess, from the
+    repository root, with ``env`` added (Triton not switched off)."""
+    full_env = python_env(**env)
+    full_env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
     return subprocess.run(
         [sys.executable, str(REPO / "tests" / script)],
-        env=env,
+        env=full_env,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_in_interpreter(script: str) -> subprocess.CompletedProcess:
+    """:func:`run_test_script` under the Triton interpreter (``TRITON_INTERPRET=1``, set
+    before triton is imported)."""
+    return run_test_script(script, TRITON_INTERPRET="1")

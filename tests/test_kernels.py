@@ -8,31 +8,15 @@ the kernel, which must not leak into other tests.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import python_env
+from subprocess_env import run_in_interpreter, run_test_script
 
 from muon_plugin.kernels import gram, triton_available, use_symmetric_kernel
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _run_python(script: str, **env: str) -> subprocess.CompletedProcess:
-    """Run a helper module of tests/ as a script in a fresh interpreter."""
-    full_env = python_env(**env)
-    full_env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
-    return subprocess.run(
-        [sys.executable, str(REPO / "tests" / script)],
-        env=full_env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 # Triton 3.6's interpreter turns a loop bound into a 1-element array and calls int() on it,
@@ -42,7 +26,7 @@ _NUMPY_SCALAR_BUG = "only 0-dimensional arrays can be converted to Python scalar
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_kernel_matches_reference_in_interpreter():
-    proc = _run_python("kernel_interpreter_symmetric.py", TRITON_INTERPRET="1")
+    proc = run_in_interpreter("kernel_interpreter_symmetric.py")
     if proc.returncode and _NUMPY_SCALAR_BUG in proc.stderr:
         pytest.skip(
             "this Triton's interpreter cannot run a loop bound from a run-time argument under "
@@ -131,7 +115,7 @@ def test_dispatch_predicate():
 
 
 def test_import_without_triton():
-    proc = _run_python("kernel_import_without_triton.py")
+    proc = run_test_script("kernel_import_without_triton.py")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == "ok"
 
