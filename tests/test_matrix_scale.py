@@ -52,3 +52,29 @@ def test_scale_kernel_matches_torch_on_the_gpu(dtype):
     prescale_huge_(kernel, 2.0**32, kernel=True)
     prescale_huge_(eager, 2.0**32, kernel=False)
     assert torch.equal(kernel, eager)
+
+
+def test_a_kernel_that_fails_warns_once_and_leaves_it_to_torch(monkeypatch):
+    from muon_plugin.kernels import matrix_scale
+
+    class Broken:
+        calls = 0
+
+        def scale_matrices_(self, *args):
+            Broken.calls += 1
+            raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(matrix_scale, "_failed", [])
+    monkeypatch.setattr(matrix_scale, "_module", Broken)
+    monkeypatch.setattr(
+        matrix_scale, "_use_kernel", lambda X, kernel: kernel and not matrix_scale._failed
+    )
+    X = torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    f = torch.tensor([0.5, 3.0, 1.0]).view(3, 1, 1)
+    out = X.clone()
+    with pytest.warns(UserWarning, match="no kernel for this GPU"):
+        scale_matrices_(out, f, kernel=True)
+    assert torch.equal(out, X * f.to(X.dtype))
+    scale_matrices_(out, f, kernel=True)  # no second attempt, no second warning
+    prescale_huge_(out, 2.0**32, kernel=True)
+    assert Broken.calls == 1

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from types import ModuleType
 
 import torch
 
 from muon_plugin.kernels.symmetric import triton_available
+
+_failed: list[str] = []  # the kernel's launch failed once: torch ops from then on
 
 
 @functools.cache
@@ -28,15 +31,32 @@ def _module() -> ModuleType:
 
 
 def _use_kernel(X: torch.Tensor, kernel: bool) -> bool:
-    return kernel and X.is_cuda and triton_available() and _module().launchable(X)
+    return kernel and X.is_cuda and not _failed and triton_available() and _module().launchable(X)
+
+
+def _launch(X: torch.Tensor, values: torch.Tensor, prescale_above: float | None) -> bool:
+    """Launch the kernel; False (after one warning) if it cannot be built or launched here.
+
+    The torch ops give the same results, so a kernel that fails (an unsupported GPU or Triton
+    build) costs speed, never a step.
+    """
+    try:
+        _module().scale_matrices_(X, values, prescale_above)
+        return True
+    except Exception as e:  # noqa: BLE001 - compile and launch errors of any kind
+        _failed.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"muon_plugin: the per-matrix scaling kernel failed ({_failed[0][:300]}); "
+            "using torch ops instead (same results)",
+            stacklevel=3,
+        )
+        return False
 
 
 def scale_matrices_(X: torch.Tensor, factors: torch.Tensor, kernel: bool = False) -> None:
     """``X.mul_(factors.to(X.dtype))`` for a batch ``X`` (``B, ...``) and ``factors`` of ``B``
     elements (e.g. ``(B, 1, 1)``); with ``kernel``, in the Triton kernel where it applies."""
-    if _use_kernel(X, kernel):
-        _module().scale_matrices_(X, factors.float(), None)
-    else:
+    if not (_use_kernel(X, kernel) and _launch(X, factors.float(), None)):
         _torch_scale_(X, factors)
 
 
@@ -50,8 +70,7 @@ def prescale_huge_(X: torch.Tensor, above: float, kernel: bool = False) -> None:
     amax = torch.linalg.vector_norm(
         X, ord=math.inf, dim=tuple(range(1, X.dim())), dtype=torch.float32
     )
-    if _use_kernel(X, kernel):
-        _module().scale_matrices_(X, amax, above)
+    if _use_kernel(X, kernel) and _launch(X, amax, above):
         return
     big = amax > above
     _torch_scale_(X, torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0))
