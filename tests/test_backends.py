@@ -118,6 +118,8 @@ def test_auto_paths_by_shape(hopper):
     assert describe((3072, 768), 12) == "gram, triton(tma), graph"
     assert describe((768, 768), 48, compile=True) == "x, fp16 cublas, eager"
     assert describe((512, 512), 48) == "x, fp16 cublas, graph"  # below GRAPHED_MIN_M
+    eager = resolve_path((768, 768), 48, GPU, F32, MatrixSpec(), graphs=False)
+    assert eager.describe() == "x, fp16 cublas, eager"  # one-off stacks, per-unit plans
     split = describe((96, 64), 8, split_sizes=(32, 64))
     assert split == "gram, fp16 cublas; x, fp16 cublas, graph"
 

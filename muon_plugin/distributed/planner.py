@@ -184,8 +184,7 @@ def simulated_layouts(
 def _resolve(group: ShapeGroup, batched: bool) -> ResolvedPath:
     """This rank's path for the group: its whole stack (batched) or one unit at a time."""
     stack = len(group.schedule.slots) if batched else 1
-    path = resolve_path(group.unit_shape, stack, group.device, group.dtype, group.spec)
-    return path if batched else path.eager()
+    return resolve_path(group.unit_shape, stack, group.device, group.dtype, group.spec, batched)
 
 
 def _make_units(group: ShapeGroup) -> None:

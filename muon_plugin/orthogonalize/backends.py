@@ -28,6 +28,7 @@ and TMA loads away from ``"auto"`` and ``"cublas"``. ``"plain"`` uses none of th
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -126,12 +127,24 @@ class Backend:
         """Whether the elementwise Triton kernels may run next to this backend (read now)."""
         return triton_kernels_enabled()
 
+    def without_graphs(self) -> Backend:
+        """This backend resolving paths for stacks run eagerly (one-off calls, the per-unit
+        plans); the default: itself, whose graph flag the caller then drops."""
+        return self
+
 
 class IterationBackend(Backend):
     """A built-in backend: the Newton-Schulz / Polar Express iteration with some features."""
 
     def __init__(self, features: Features) -> None:
         self.features = features
+
+    def without_graphs(self) -> Backend:
+        """The same features less CUDA graphs: an eager stack also gets the eager dispatch
+        region of the symmetric kernel (a graphed stack's is wider)."""
+        eager = copy.copy(self)
+        eager.features = replace(self.features, graphs=False)
+        return eager
 
     def iteration_path(
         self,
@@ -264,17 +277,22 @@ def resolve_path(
     device: torch.device,
     dtype: torch.dtype,
     spec: MatrixSpec,
+    graphs: bool = True,
 ) -> ResolvedPath:
-    """The path of ``spec.backend`` for stacks of ``stack`` units of ``shape`` on ``device``."""
-    path = get_backend(spec.backend).resolve(tuple(shape), stack, device, dtype, spec)
-    return replace(path, backend=spec.backend)
+    """The path of ``spec.backend`` for stacks of ``stack`` units of ``shape`` on ``device``;
+    without ``graphs``, for stacks that will run eagerly."""
+    backend = get_backend(spec.backend)
+    if not graphs:
+        backend = backend.without_graphs()
+    path = backend.resolve(tuple(shape), stack, device, dtype, spec)
+    return replace(path if graphs else path.eager(), backend=spec.backend)
 
 
 def resolve_stack(X: Stack, spec: MatrixSpec) -> ResolvedPath:
     """The (eager) path of a one-off stack ``X`` (``B, *shape``)."""
     first = X if isinstance(X, Tensor) else X[0]
     shape = stack_shape(X)
-    return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec).eager()
+    return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec, graphs=False)
 
 
 def run_path(
