@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -428,32 +429,23 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-@contextlib.contextmanager
-def cublas_below_m(min_m: int) -> Iterator[None]:
+def cublas_below_m(min_m: int) -> contextlib.AbstractContextManager:
     """The plans built inside leave every product with m < ``min_m`` to cuBLAS, CUDA-graphed
     or not (an ablation of the kernel's wider region inside graphs)."""
     from muon_plugin.orthogonalize import paths
 
     rule = paths.kernel_wins
-    paths.kernel_wins = lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch)
-    try:
-        yield
-    finally:
-        paths.kernel_wins = rule
+    return mock.patch.object(
+        paths, "kernel_wins", lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch)
+    )
 
 
-@contextlib.contextmanager
-def torch_matrix_scaling() -> Iterator[None]:
+def torch_matrix_scaling() -> contextlib.AbstractContextManager:
     """The per-matrix scalings of the orthogonalization (pre-scaling, folded norms) as torch
     ops instead of the Triton kernel (an ablation; the same results)."""
     from muon_plugin.kernels import matrix_scale
 
-    rule = matrix_scale._use_kernel
-    matrix_scale._use_kernel = lambda X, kernel: False
-    try:
-        yield
-    finally:
-        matrix_scale._use_kernel = rule
+    return mock.patch.object(matrix_scale, "_use_kernel", lambda X, kernel: False)
 
 
 def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:

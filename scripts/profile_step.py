@@ -22,13 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmark import gpt_shapes, llama_shapes, make_workload  # noqa: E402
+from benchmark import LR, WD, gpt_shapes, llama_shapes, make_workload  # noqa: E402
 
 from muon_plugin import MuonForeach, MuonLP  # noqa: E402
 
 OPTIMIZERS = {
-    "foreach": lambda ps: MuonForeach(ps, lr=0.02, wd=0.01),
-    "lp-int8": lambda ps: MuonLP(ps, lr=0.02, wd=0.01, state_dtype="int8"),
+    "foreach": lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+    "lp-int8": lambda ps: MuonLP(ps, lr=LR, wd=WD, state_dtype="int8"),
 }
 
 

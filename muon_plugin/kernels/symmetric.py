@@ -92,8 +92,8 @@ def use_symmetric_kernel(m: int, k: int, batch: int = 1, graphed: bool = False) 
     (eager stacks, one-off calls and per-unit plans included, keep the region below). Then
     the kernel also takes every product with ``GRAPHED_MIN_M <= m < 1024``, whatever its tile
     count: a GPT-125M step (stacks of 48 x 768 x 768, 12 x 768 x 3072 and 12 x 3072 x 768)
-    ran faster so than with those products on cuBLAS in three runs out of three on an H100
-    (median 4.55 against 4.69 ms, ``scripts/benchmark.py``). Re-tune with
+    was faster this way than with those products on cuBLAS in every H100 run (three runs:
+    median 4.474 against 4.742 ms, ``scripts/benchmark.py``). Re-tune with
     ``scripts/bench_kernels.py`` and the benchmark's "cuBLAS below m = 1024" row.
     """
     if graphed and GRAPHED_MIN_M <= m < 1024:

@@ -175,7 +175,7 @@ class IterationBackend(Backend):
         iterations = []
         for rows, cols, batch in spec.block_batches(shape, stack):
             m, n = sorted((rows, cols))
-            iterations.append((rows, self.iteration_path(batch, m, n, device, None, graph)))
+            iterations.append((rows, self.iteration_path(batch, m, n, device, graphed=graph)))
         return ResolvedPath(iterations=tuple(iterations), graph=graph)
 
     def orthogonalize(
