@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -290,9 +291,15 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
         if rank == 0:
             Path(out_path).write_text(json.dumps(rows))
         dist.destroy_process_group()
-    # The work is done and reported. Leave without the interpreter's teardown: gloo's
-    # background threads can make it abort ("terminate called without an active exception"),
-    # which would fail the whole run after the fact.
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> NoReturn:
+    """Leave a worker whose work is done and reported, skipping the interpreter's teardown.
+
+    gloo's background threads can make that teardown abort ("terminate called without an
+    active exception", SIGABRT) on a loaded machine, which would fail the run after the fact.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_comm import Layer, machine, shard_layers, traffic  # noqa: E402
+from bench_comm import (  # noqa: E402
+    Layer,
+    exit_without_teardown,
+    machine,
+    shard_layers,
+    traffic,
+)
 from results_md import write_section  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -185,7 +192,7 @@ def mesh_text(layout: str, ws: int, tp: int) -> str:
     return f"{layout} {ws}"
 
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     extra = {}
@@ -213,7 +220,7 @@ def worker(args) -> int:
             args.rows_out.write_text(json.dumps(rows))
         else:  # launched by torchrun directly: report this world size alone
             finish(rows, args, [])
-    return 0
+    exit_without_teardown()
 
 
 # ---------------------------------------------------------------------- driver
