@@ -18,11 +18,12 @@ STRATEGIES: tuple[str, ...] = ("polar_express", "newton_schulz")
 LR_ADJUSTMENTS: tuple[str, ...] = ("keller", "match_rms_adamw", "spectral", "none")
 """Muon's learning-rate shape rules."""
 
-BACKENDS: tuple[str, ...] = ("auto", "cublas", "plain")
+BACKENDS: tuple[str, ...] = ("auto", "eager", "cublas", "plain")
 """Built-in orthogonalization backends: ``"auto"`` picks the fastest exact-enough path per
 shape group (Triton symmetric kernels, Gram-space iteration, fp16 Q-form, CUDA graphs where
-they pay), ``"cublas"`` the same without Triton kernels, ``"plain"`` the plain bf16 loop on
-torch matmuls (the reference)."""
+they pay), ``"eager"`` the same without CUDA graphs (nothing kept between steps: less memory on
+models of many small matrices, at some speed there), ``"cublas"`` the same as ``"auto"``
+without Triton kernels, ``"plain"`` the plain bf16 loop on torch matmuls (the reference)."""
 
 STATE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 """Momentum storage: ``"fp32"`` (Muon / MuonForeach), the others select MuonLP."""

@@ -4,6 +4,7 @@ added through ``muon_plugin.orthogonalize.backends`` alone and run by a plan."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_builtin_backends_are_the_defaults_choices():
 
 @pytest.mark.parametrize("bad", ["bogus", None, 3, ""])
 def test_unknown_backend_names_the_choices(bad):
-    with pytest.raises(ValueError, match=r"backend .*'auto', 'cublas', 'plain'"):
+    with pytest.raises(ValueError, match=r"backend .*'auto', 'eager', 'cublas', 'plain'"):
         validate_backend(bad)
     with pytest.raises(ValueError, match="backend"):
         resolve_path((4, 4), 1, CPU, F32, MatrixSpec(backend=bad))
@@ -132,6 +133,36 @@ def test_builtin_backends_differ_only_in_features(hopper):
         assert "triton" not in cublas
         assert cublas == auto.replace("triton(tma)", "fp16 cublas")
         assert describe(shape, stack, "plain") == "x, bf16, eager"
+
+
+@needs_triton
+def test_eager_backend_is_auto_without_graphs(hopper):
+    """``"eager"``: auto's paths for stacks that run eagerly, whatever the stack's size (the
+    kernel's eager dispatch region included: GPT-125M's m = 768 products stay on cuBLAS)."""
+    shapes = [((64, 128), 3), ((768, 768), 48), ((768, 3072), 12), ((1024, 4096), 8)]
+    shapes += [((4096, 14336), 1), ((96, 64), 8)]
+    for shape, stack in shapes:
+        spec = MatrixSpec(split_sizes=(32, 64)) if shape == (96, 64) else MatrixSpec()
+        auto_eager = resolve_path(shape, stack, GPU, F32, spec, graphs=False)
+        eager = resolve_path(shape, stack, GPU, F32, replace(spec, backend="eager"))
+        assert not eager.graph
+        assert eager.iterations == auto_eager.iterations, shape
+        assert eager.backend == "eager"
+    assert describe((768, 768), 48, "eager") == "x, fp16 cublas, eager"
+    assert describe((768, 3072), 12, "eager") == "gram, fp16 cublas, eager"
+
+
+def test_eager_backend_is_a_constructor_choice():
+    """``backend="eager"`` is accepted by the optimizer and named in its plan report."""
+    from muon_plugin import MuonForeach
+
+    params = [torch.nn.Parameter(torch.randn(24, 40)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = MuonForeach(params, lr=0.01, backend="eager")
+    opt.step()
+    (row,) = opt.plan_report()
+    assert (row["backend"], row["path"]) == ("eager", "x, bf16, eager")
 
 
 @needs_triton

@@ -9,7 +9,10 @@ named in ``muon_plugin.defaults.BACKENDS``:
 - ``"auto"``: the fastest exact-enough path per shape group: Triton symmetric kernels where
   they beat cuBLAS, Gram-space iteration for wide matrices, the fp16 cuBLAS Q-form elsewhere on
   CUDA, CUDA graphs for small stacks; on the CPU the plain bf16 loop.
-- ``"cublas"``: the same without Triton kernels (elementwise kernels included).
+- ``"eager"``: ``"auto"`` without CUDA graphs. A graph keeps its stack's input, result and
+  intermediates allocated between steps; on a model of many small matrices (GPT-125M) that is
+  about 1.2x the momentum state more peak memory, for a step about 1.3x faster.
+- ``"cublas"``: ``"auto"`` without Triton kernels (elementwise kernels included).
 - ``"plain"``: the plain bf16 loop on torch matmuls everywhere: no Gram space, no fp16 Q-form,
   no CUDA graphs, no Triton kernels (the reference).
 
@@ -232,6 +235,7 @@ def _compiled_run() -> Callable[..., Tensor]:
 
 _REGISTRY: dict[str, Backend] = {
     "auto": IterationBackend(Features()),
+    "eager": IterationBackend(Features(graphs=False)),
     "cublas": IterationBackend(Features(triton=False)),
     "plain": IterationBackend(
         Features(triton=False, gram=False, half=False, graphs=False, tma=False)

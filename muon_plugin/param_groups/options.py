@@ -103,9 +103,11 @@ class MuonConfig:
     backend: str = DEFAULTS["backend"]
     """Orthogonalization backend: 'auto' (the fastest exact-enough path per shape group:
     Triton symmetric kernels, Gram-space iteration, fp16 Q-form, CUDA graphs where they pay),
-    'cublas' (the same without Triton kernels), 'plain' (the plain bf16 loop on torch matmuls,
-    the reference), or a name registered with muon_plugin.orthogonalize.register_backend. The
-    plan logged after the first step shows the path of every shape group."""
+    'eager' (the same without CUDA graphs: less memory kept between steps on models of many
+    small matrices, slower there), 'cublas' ('auto' without Triton kernels), 'plain' (the plain
+    bf16 loop on torch matmuls, the reference), or a name registered with
+    muon_plugin.orthogonalize.register_backend. The plan logged after the first step shows the
+    path of every shape group."""
 
     skip_nonfinite: bool = SKIP_NONFINITE
     """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
