@@ -14,7 +14,8 @@
 # tune   the symmetric kernel autotuned afresh on this GPU (no shipped table borrowed): the
 #        table to ship for it in muon_plugin/kernels/tuned/ lands in $OUT/autotune/
 # Every phase keeps what it finished when a budget cuts it. PYTHON (default python3) runs
-# everything; WORKLOADS (e.g. gpt) limits bench and peers to those workloads. SMOKE=1: the same on a CPU with --quick (to check this script).
+# everything; WORKLOADS (e.g. gpt) limits bench and peers to those workloads. SMOKE=1: the
+# same on a CPU with --quick (to check this script).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -25,6 +25,7 @@ from muon_plugin.orthogonalize.iterations import IterationPath, run_iteration
 LLAMA_LAYER = (
     [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096)] + [(14336, 4096)] * 2 + [(4096, 14336)]
 )
+GPT_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 
 
 BUFFERS = functional.BUFFERS
@@ -36,33 +37,41 @@ BF16_DIRECTIONS = functional.MomentumStorage(
 """Momentum buffers whose stage 1 returns bf16 directions, as the CUDA elementwise kernel does."""
 
 
+def fake_step_optimizer(layer, layers: int, **kwargs) -> tuple[MuonForeach, list]:
+    """MuonForeach over ``layers`` copies of ``layer``'s matrices as zero fake-CUDA parameters
+    with zero grads (call under :func:`fake_cuda`), its stage 1 returning bf16 directions."""
+    params = [
+        torch.nn.Parameter(torch.zeros(shape, device="cuda"))
+        for _ in range(layers)
+        for shape in layer
+    ]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = MuonForeach(params, lr=1e-3, weight_decay=0.1, **kwargs)
+    opt.momentum_storage = BF16_DIRECTIONS
+    return opt, params
+
+
+def momentum_bytes(opt: MuonForeach) -> int:
+    return sum(s["momentum_buffer"].nbytes for s in opt.state.values())
+
+
 def test_llama_step_workspace_is_a_fraction_of_the_momentum(monkeypatch):
     monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
     monkeypatch.setenv("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1")
     with fake_cuda(monkeypatch):
-        params = [
-            torch.nn.Parameter(torch.zeros(shape, device="cuda"))
-            for _ in range(4)
-            for shape in LLAMA_LAYER
-        ]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = MuonForeach(params, lr=1e-3, weight_decay=0.1)
-        opt.momentum_storage = BF16_DIRECTIONS
+        opt, params = fake_step_optimizer(LLAMA_LAYER, 4)
         tracked = LiveBytes()
         with tracked:
             for _ in range(3):
                 opt.step()
-        state = sum(s["momentum_buffer"].nbytes for s in opt.state.values())
+        state = momentum_bytes(opt)
     assert state == 4 * sum(p.numel() for p in params)
     assert tracked.current == state  # nothing but the momentum outlives a step
     workspace = tracked.peak - state
     # Before the bound on groups and phases, two 14336 x 4096 directions, four 4096 x 4096
     # ones and their stack's temporaries were alive at once: 0.30x the state.
     assert workspace <= 0.2 * state, f"{workspace / 2**20:.0f} MiB of workspace"
-
-
-GPT_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 
 
 def test_gpt_eager_orthogonalization_holds_directions_and_results_only(monkeypatch):
@@ -79,20 +88,12 @@ def test_gpt_eager_orthogonalization_holds_directions_and_results_only(monkeypat
         functional, "decay_and_update_", lambda *args, **kwargs: phase_peaks.append(tracked.peak)
     )
     with fake_cuda(monkeypatch):
-        params = [
-            torch.nn.Parameter(torch.zeros(shape, device="cuda"))
-            for _ in range(12)
-            for shape in GPT_LAYER
-        ]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = MuonForeach(params, lr=1e-3, weight_decay=0.1, backend="eager")
-        opt.momentum_storage = BF16_DIRECTIONS
+        opt, _ = fake_step_optimizer(GPT_LAYER, 12, backend="eager")
         opt.step()  # the momentum exists before the tracked step
         phase_peaks.clear()
         with tracked:
             opt.step()
-        state = sum(s["momentum_buffer"].nbytes for s in opt.state.values())
+        state = momentum_bytes(opt)
     assert state == 324 * 2**20
     assert [r["path"].endswith("eager") for r in opt.plan_report()] == [True] * 3
     assert phase_peaks and phase_peaks[0] <= state, f"{phase_peaks[0] / state:.3f}x the state"

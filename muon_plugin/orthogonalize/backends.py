@@ -233,9 +233,10 @@ def _compiled_run() -> Callable[..., Tensor]:
     return torch.compile(_run_uncompiled, dynamic=False)
 
 
+_AUTO = IterationBackend(Features())
 _REGISTRY: dict[str, Backend] = {
-    "auto": IterationBackend(Features()),
-    "eager": IterationBackend(Features(graphs=False)),
+    "auto": _AUTO,
+    "eager": _AUTO.without_graphs(),
     "cublas": IterationBackend(Features(triton=False)),
     "plain": IterationBackend(
         Features(triton=False, gram=False, half=False, graphs=False, tma=False)
