@@ -28,10 +28,10 @@
 # (benchmark --quick; to check this script).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
 OUT="${OUT:-$ROOT/outputs/one_gpu}"
 mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
+OUT="$(cd "$OUT" && pwd)"   # a relative OUT is the caller's
+cd "$ROOT"
 PY="${PYTHON:-python3}"
 PHASES="${*:-tests train bench}"
 TOTAL_S="${TOTAL_S:-540}"
