@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from results_md import write_section  # noqa: E402
-from scale_model import Hardware, plan_at_scale, step_costs  # noqa: E402
+from scale_model import Hardware, plan_at_scale, split_costs, step_costs  # noqa: E402
 from scale_peers import dion, distmuon  # noqa: E402
 from scale_shapes import HSDP_SHARD, MODELS, NODE, entries, local_fraction  # noqa: E402
 
@@ -211,6 +211,23 @@ def issue_figures(hw: Hardware) -> str:
     return "\n".join(out)
 
 
+def split_table(hw: Hardware) -> str:
+    """The largest matrices with their iteration split over the 8 GPUs of a node."""
+    out = [
+        f"### One largest matrix split over the {NODE} GPUs of a node (ms per rank, 5 steps)",
+        "",
+        "| matrix | variant | compute | traffic (NVLink) | total |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, shape in (("Llama-3 70B w1", (28672, 8192)), ("Llama-3.1 405B w1", (53248, 16384)),
+                        ("DeepSeek-V3 dense w1", (18432, 7168))):  # fmt: skip
+        for c in split_costs(shape, NODE, SPEC.steps, hw):
+            out.append(
+                f"| {name} | {c.variant} | {_ms(c.compute)} | {_ms(c.traffic)} | {_ms(c.total)} |"
+            )
+    return "\n".join(out)
+
+
 def _peer(step) -> str:
     if step.refused:
         return step.refused
@@ -239,6 +256,8 @@ def section(rows: list[dict], hw: Hardware, command: str) -> str:
         tables(rows, hw),
         "",
         issue_figures(hw),
+        "",
+        split_table(hw),
     ]
     return "\n".join(lines)
 

@@ -227,3 +227,48 @@ def step_costs(plan: PlanAtScale, model, fraction: float, hw: Hardware) -> StepC
         adamw=model.params * fraction / hw.adamw,
         forward_backward=6 * model.active_params * hw.tokens / (plan.ranks * hw.peak_bf16 * hw.mfu),
     )
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """One matrix's iteration split over ``ranks`` ranks by column blocks (design note
+    ``docs/design/split_matrix.md``): seconds of compute and of traffic per rank."""
+
+    variant: str
+    compute: float
+    traffic: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.traffic
+
+
+def split_costs(shape: tuple[int, int], ranks: int, steps: int, hw: Hardware) -> list[SplitCost]:
+    """Per rank, for ``steps`` plain Newton-Schulz steps on ``X`` (``m x n``, ``m <= n``) whose
+    ``n`` columns are split over ``ranks`` ranks of one node (NVLink, ring collectives):
+
+    - ``whole``: one rank does it all (``4 m^2 n + 2 m^3`` per step);
+    - ``gram all-reduce``: each rank forms its ``X_i X_i^T``, an all-reduce (fp32) sums the
+      ``m x m`` Gram matrix, every rank computes the polynomial ``B`` (``2 m^3``) and its own
+      ``B X_i``: ``4 m^2 n / p + 2 m^3`` FLOPs and ``2 (p-1)/p 4 m^2`` bytes per step;
+    - ``+ split polynomial``: each rank computes ``m / p`` rows of ``B`` and an all-gather
+      (bf16) shares them: ``(4 m^2 n + 2 m^3) / p`` FLOPs, ``(p-1)/p 2 m^2`` more bytes.
+    """
+    m, n = sorted(shape)
+    p = ranks
+    ring = 2 * (p - 1) / p * 4 * m * m  # all-reduce, fp32
+    gather = (p - 1) / p * 2 * m * m  # all-gather, bf16
+    rate = hw.orth_flops
+    return [
+        SplitCost("whole", steps * (4 * m * m * n + 2 * m**3) / rate, 0.0),
+        SplitCost(
+            "gram all-reduce",
+            steps * (4 * m * m * n / p + 2 * m**3) / rate,
+            steps * ring / hw.nvlink,
+        ),
+        SplitCost(
+            "+ split polynomial",
+            steps * (4 * m * m * n + 2 * m**3) / p / rate,
+            steps * (ring + gather) / hw.nvlink,
+        ),
+    ]

@@ -177,3 +177,15 @@ def test_entries_cover_every_matrix():
     assert len(got) == len(model.matrices)
     units = sum(math.prod(e[0][:-2]) for e in got)
     assert units == 58 * 3 * 256 + 58 * 3 + 61 * 5 + 3 * 3
+
+
+def test_split_costs_start_from_the_whole_matrix():
+    from scale_model import Hardware, split_costs
+
+    hw = Hardware()
+    whole, reduce, split = split_costs((28672, 8192), 8, 5, hw)
+    assert whole.compute == pytest.approx(SPEC.flops((28672, 8192)) / hw.orth_flops)
+    assert whole.traffic == 0 and split.compute < reduce.compute < whole.compute
+    assert split.traffic > reduce.traffic > 0
+    one = split_costs((28672, 8192), 1, 5, hw)
+    assert all(c.compute == pytest.approx(whole.compute) and c.traffic == 0 for c in one)
