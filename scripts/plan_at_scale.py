@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
+import os
 import platform
 import sys
 from dataclasses import asdict
@@ -43,6 +44,7 @@ from muon_plugin.orthogonalize import MatrixSpec  # noqa: E402
 
 SPEC = MatrixSpec()  # Polar Express, 5 steps: what the FLOPs count
 GIB = 2**30
+CHILD_TIMEOUT_S = 600
 
 FULL_GRID = [
     *[(m, "fsdp", n, 1) for m in ("llama3-8b", "llama3-70b", "llama3-405b")
@@ -92,7 +94,11 @@ def measure(config: tuple):
     queue = ctx.Queue()
     child = ctx.Process(target=_plan_in_child, args=(config, queue))
     child.start()
-    out = queue.get()
+    try:
+        out = queue.get(timeout=CHILD_TIMEOUT_S)
+    except Exception:
+        child.kill()
+        raise RuntimeError(f"planning {config} failed (exit code {child.exitcode})") from None
     child.join()
     return out
 
@@ -137,7 +143,7 @@ def _ms(seconds: float) -> str:
 
 
 def tables(rows: list[dict], hw: Hardware) -> str:
-    """The three tables (plan, cost, peers) as Markdown."""
+    """The plan, cost and peers tables as Markdown."""
     out = ["### The plan per rank (real planner, simulated mesh)", ""]
     out += [
         "| model | layout | ranks | mesh | matrices | owned per rank | TFLOP busiest / mean "
@@ -263,8 +269,6 @@ def section(rows: list[dict], hw: Hardware, command: str) -> str:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

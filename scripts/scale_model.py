@@ -74,14 +74,14 @@ class PlanAtScale:
 
     @property
     def imbalance_bound(self) -> float:
-        """The least max / mean FLOPs of any assignment that keeps whole matrices and leaves
-        each matrix that only one rank holds whole where it is (the planner's rules): the
-        busiest rank has at least the mean, its own fixed matrices, and whoever gets the
-        largest movable matrix has it on top of the smallest fixed load."""
+        """A lower bound on max / mean FLOPs for any assignment by the planner's rules (whole
+        matrices; a matrix that only one rank holds whole stays there): the busiest rank has
+        at least the mean, the largest matrix and the largest fixed load, and whoever gets the
+        largest movable matrix has it on top of at least the smallest fixed load. Not always
+        reachable (it ignores how the matrices pack)."""
         if not self.mean_flops:
             return 1.0
-        least = max(self.fixed_flops) if self.fixed_flops else 0.0
-        bound = max(self.mean_flops, least, self.largest_unit)
+        bound = max(self.mean_flops, self.largest_unit, max(self.fixed_flops, default=0.0))
         if self.largest_free:
             bound = max(bound, min(self.fixed_flops) + self.largest_free)
         return bound / self.mean_flops
