@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ BACKEND = "counting"
 
 
 class CountingBackend(IterationBackend):
-    """``"auto"``, counting matrices (per stack) and FLOPs (per batch of the iteration)."""
+    """``"auto"`` without CUDA graphs (a replayed graph would not call back into Python),
+    counting matrices (per stack) and FLOPs (per batch of the iteration)."""
 
     def __init__(self) -> None:
-        super().__init__(get_backend("auto").features)
+        super().__init__(replace(get_backend("auto").features, graphs=False))
         self.matrices = 0
         self.flops = 0.0
 
