@@ -5,7 +5,8 @@
 #   OUT=/path bash scripts/run_one_gpu.sh [PHASE ...]   # default: tests train bench
 #
 # tests    the tests that need a GPU (kernels, CUDA graphs, the fused MuonLP kernel, memory,
-#          autotune tables, every benchmark row at small sizes): tests.log        TESTS_S (150)
+#          autotune tables, every benchmark row at small sizes, two gloo ranks on the one GPU):
+#          tests.log                                                              TESTS_S (150)
 # train    PYTHON=$PYTHON bash scripts/train.sh configs/llama3_debug_muon.toml, the main job
 #          with no other variable set (TRAIN_ARGS: overrides to add): train.log, and the
 #          run's own log folder copied to train_logs/                            TRAIN_S (120)
@@ -39,7 +40,7 @@ OURS="MuonForeach,Muon (per-parameter),MuonLP,torch.optim.Muon,naive,AdamW"
 GPU_TESTS="tests/test_kernels.py tests/test_cuda_graphs.py tests/test_orthogonalize.py
     tests/test_backends.py tests/test_lp_int8.py tests/test_quantized_kernels.py
     tests/test_step_memory.py tests/test_tuning_cache.py tests/test_benchmark_smoke.py
-    tests/test_matrix_scale.py"
+    tests/test_matrix_scale.py tests/test_two_ranks_one_gpu.py"
 if [[ "${SMOKE:-0}" == 1 ]]; then
     BENCH_ARGS=(--quick --device cpu)
     MERGE_ARGS=(--quick)
