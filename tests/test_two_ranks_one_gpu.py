@@ -3,10 +3,10 @@ the GPU paths it takes on a cluster, where NCCL refuses two ranks on one device.
 
 The parameters are DTensors built from local shards (``DTensor.from_local``, no collective),
 Shard(0) (FSDP-like) and Shard(1) (TP row-parallel-like) on a 1-D mesh of 2, plus an expert
-stack sharded on its expert dim, at sizes where the Triton symmetric kernel, Gram-space
-iteration and CUDA graphs run. Every rank steps a single-device reference on the full tensors
-itself and compares its own shards with the reference's (no ``full_tensor()``: DTensor's
-functional collectives crashed with gloo on CUDA tensors on torch 2.11). The shards travel
+stack sharded on its expert dim, at sizes where the Triton symmetric kernel (4096 x 4096),
+Gram-space iteration and CUDA graphs run. Every rank steps a single-device reference on the
+full tensors itself and compares its own shards with the reference's (no ``full_tensor()``:
+DTensor's functional collectives crashed with gloo on CUDA tensors on torch 2.11). The shards travel
 through the plan's all-to-alls (gloo on CUDA tensors), the ranks' per-step agreement check is
 an all-reduce of CUDA tensors. A second test trains a small model under FSDP2 (``fully_shard``:
 its all-gathers and reduce-scatters on gloo with CUDA tensors). GPU only.
@@ -26,7 +26,7 @@ from muon_plugin import MuonForeach
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPES = {  # name: (global shape, sharded dim)
-    "wq": ((1024, 1024), 0),
+    "wq": ((4096, 4096), 0),  # the Triton symmetric kernel's region on an H100 / H200
     "w1": ((2816, 1024), 0),
     "w2": ((1024, 2816), 1),
     "wo": ((1024, 1024), 1),
