@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import BACKEND_ENV, GPU_UPDATE_RTOL, run_distributed, update_difference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -82,8 +83,10 @@ def job_sharded_parameters(rank: int, ws: int) -> None:
     }
     assert max(differences.values()) <= GPU_UPDATE_RTOL, differences
     print(f"rank {rank}: update differences {differences}")
-    report = opt.format_plan_report()
-    assert "triton" in report and "graph" in report, report
+    reports: list = [None] * ws  # each rank resolves the paths of the stacks it owns
+    dist.all_gather_object(reports, opt.format_plan_report())
+    print(f"rank {rank}: plan report\n{reports[rank]}")
+    assert any("triton" in r for r in reports) and any("graph" in r for r in reports), reports
     assert opt._plan.last_stats.get("collectives", 0) > 0, opt._plan.last_stats
 
 
