@@ -12,8 +12,11 @@ from typing import Any
 ALGORITHMS: tuple[str, ...] = ("muon", "adamw", "adam")
 """Per param group: ``"muon"``, ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 decay)."""
 
-STRATEGIES: tuple[str, ...] = ("polar_express", "newton_schulz")
-"""Orthogonalization iterations (coefficient schedules)."""
+STRATEGIES: tuple[str, ...] = ("polar_express", "newton_schulz", "turbo_muon")
+"""Orthogonalization iterations (coefficient schedules). ``"turbo_muon"``: AOL row scaling of
+the input instead of the Frobenius norm, with its fitted schedule; meant for ``ns_steps=4``,
+and it approximates the polar factor of the row-scaled matrix (see
+``muon_plugin.orthogonalize.coefficients`` and docs/design/turbo_aol.md)."""
 
 LR_ADJUSTMENTS: tuple[str, ...] = ("keller", "match_rms_adamw", "spectral", "none")
 """Muon's learning-rate shape rules."""

@@ -1,11 +1,17 @@
 """Coefficient schedules of the orthogonalization iterations, and Muon's learning-rate shape rule.
 
-The strategies differ only in their schedule:
+The strategies differ in their schedule (and ``"turbo_muon"`` in how the input is scaled):
 
 - ``"newton_schulz"``: the fixed quintic ``(3.4445, -4.7750, 2.0315)`` of Muon's reference.
 - ``"polar_express"``: the per-step optimal quintics of Polar Express (arXiv:2505.16932),
   with its safety handling (every polynomial but the last divided by 1.01 / 1.01^3 / 1.01^5,
   and the input normalized by ``1.01 * ||X||_F``).
+- ``"turbo_muon"``: Turbo-Muon (arXiv:2512.04632): the input's rows (of its wide orientation)
+  scaled by AOL, ``1 / sqrt(sum_j |A_ij|)`` from the first Gram matrix ``A = X X^T`` instead of
+  dividing by the norm, then the four quintics fitted for that scaling. Meant for 4 steps (one
+  fewer than the others); later steps repeat the last quintic. The row scaling ``D`` is not a
+  scalar, so the iteration approximates the polar factor of ``D X``, not of ``X``
+  (docs/design/turbo_aol.md measures the difference).
 """
 
 from __future__ import annotations
@@ -34,16 +40,27 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = (
 )
 POLAR_EXPRESS_SAFETY = 1.01
 
+# Turbo-Muon's quintics fitted for AOL-scaled inputs (flash-newton-schulz, the set its later
+# releases and dion's fast Newton-Schulz use), one per step of its 4-step schedule.
+TURBO_MUON_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (4.6051, -9.6552, 5.6769),
+    (4.7505, -6.0861, 2.1790),
+    (2.7763, -2.3190, 0.5523),
+    (2.4231, -2.2861, 0.8193),
+)
+
 MAX_STEPS = MAX_NS_STEPS
 EPS = NS_EPS
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """The coefficients of every step, and the factor the input norm is inflated by."""
+    """The coefficients of every step, and how the input is scaled first: divided by
+    ``norm_safety * ||X||_F``, or with ``aol`` its rows scaled by AOL (``norm_safety`` unused)."""
 
     coefficients: tuple[Coefficients, ...]
     norm_safety: float
+    aol: bool = False
 
 
 def validate_steps(steps: object, strategy: object) -> None:
@@ -84,15 +101,20 @@ def coefficient_schedule(
     """The coefficient schedule of ``strategy`` for ``steps`` iterations.
 
     ``coefficients`` (torch.optim.Muon's ``ns_coefficients``) replace the strategy's schedule
-    by one fixed quintic for every step, with the input normalized by ``||X||_F`` alone.
+    by one fixed quintic for every step, with the input normalized by ``||X||_F`` alone (by
+    AOL for ``"turbo_muon"``).
     """
     validate_steps(steps, strategy)
+    aol = strategy == "turbo_muon"
     if coefficients is not None:
         validate_coefficients(coefficients)
         a, b, c = (float(x) for x in coefficients)
-        return Schedule(((a, b, c),) * steps, 1.0)
+        return Schedule(((a, b, c),) * steps, 1.0, aol)
     if strategy == "newton_schulz":
         return Schedule((NEWTON_SCHULZ_COEFFICIENTS,) * steps, 1.0)
+    if aol:
+        table = TURBO_MUON_COEFFICIENTS
+        return Schedule(tuple(table[min(i, len(table) - 1)] for i in range(steps)), 1.0, aol)
     s = POLAR_EXPRESS_SAFETY
     safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
     table = safe + [POLAR_EXPRESS_COEFFICIENTS[-1]]

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from muon_plugin.kernels import gram
 from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
+from muon_plugin.orthogonalize.aol import aol_factors, scale_gram_, scaled_rows
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
 
 SPACES = ("x", "gram")
@@ -80,11 +81,14 @@ class Normalization:
 
     Folded into the first step where its ``m x m`` products run in the Triton kernel (the
     norm is the trace of the Gram matrix, and the ``m x m`` results are scaled instead of the
-    ``m x n`` input); elsewhere ``X`` is scaled in place first.
+    ``m x n`` input); elsewhere ``X`` is scaled in place first. With ``aol`` the rows of the
+    wide input are scaled by AOL instead (:mod:`muon_plugin.orthogonalize.aol`), always from
+    the first Gram matrix, which the first step then reuses (``safety`` is unused).
     """
 
     safety: float
     eps: float = EPS
+    aol: bool = False
 
     # Matrices whose max-abs exceeds this are first scaled down by a power of two: the fp32
     # sum of squares behind the norm (and the Gram matrix) overflows above ~1.8e19.
@@ -111,6 +115,13 @@ class Normalization:
 
     def _inverse(self, norm: Tensor) -> Tensor:
         return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()
+
+    def factors(self, gram_matrix: Tensor) -> Tensor:
+        """What the wide input's rows are multiplied by, from its fp32 Gram matrix ``X X^T``:
+        ``(B, 1, 1)`` inverse norms, or with ``aol`` ``(B, 1, m)`` AOL factors."""
+        if self.aol:
+            return aol_factors(gram_matrix, self.eps)
+        return self.inverse_norms(gram_matrix)
 
     def inverse_norms(self, gram_matrix: Tensor) -> Tensor:
         """``1 / (safety * ||X||_F)`` per matrix, (B, 1, 1) fp32, from ``trace(X X^T)``."""
@@ -146,7 +157,7 @@ def run_iteration(
     contiguous bf16 scratch buffer (the result may then come back in it). The input is divided
     by ``safety * ||G||_F`` (see :class:`Normalization`), folded into the first step where its
     ``m x m`` products run in the Triton kernel, elsewhere by scaling the bf16 copy in place
-    first.
+    first; with ``schedule.aol`` its rows are scaled by AOL from the first Gram matrix.
     """
     shape = G.shape
     X = G.reshape(-1, shape[-2], shape[-1])
@@ -154,7 +165,7 @@ def run_iteration(
         X = X.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
     tall = X.size(-2) > X.size(-1)
     wide = X.mT if tall else X
-    normalize = Normalization(schedule.norm_safety, eps)
+    normalize = Normalization(schedule.norm_safety, eps, schedule.aol)
     normalize.prescale_(X, path.uses_triton)
     kwargs = {"transpose_result": tall, "normalize": normalize, "path": path}
     if path.space == "gram":  # X is this call's to overwrite: the result may go into it
@@ -189,6 +200,9 @@ def iterate(
     a tall input's result comes out contiguous in its own orientation. ``normalize`` divides
     the unnormalized input by its norm: with the kernel inside the first step (``A`` by the
     norm squared, ``Q`` by the norm), elsewhere before the loop (``X`` may be overwritten).
+    With ``normalize.aol`` the first Gram matrix is formed in fp32, gives the AOL factors ``D``
+    and is reused as ``D A D`` by the first step; ``D`` goes into the first ``Q`` on the kernel
+    path (``X <- Q D X``), into ``X`` (scaled in place, or into the fp16 copy) elsewhere.
     """
     out = _iterate_loop(X, coefficients, scale, transpose_result, normalize, path)
     return out.to(torch.bfloat16) if path.products == "fp16" else out
@@ -213,7 +227,11 @@ def _iterate_loop(
     """
     q_form = path.products != "bf16"
     xx, mm, tma = path.xx_triton, path.mm_triton, path.tma
-    if path.products == "fp16":
+    first_gram = fold = None  # AOL: the first step's Gram matrix, the factors left for its Q
+    if normalize is not None and normalize.aol:
+        first_gram, X, fold = _aol_start(X, normalize, path)
+        normalize = None
+    elif path.products == "fp16":
         X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
         normalize = None
     elif normalize is not None and not mm:
@@ -221,7 +239,8 @@ def _iterate_loop(
         normalize = None
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
-        A = gram(X, kernel=xx, tma=tma)
+        A = gram(X, kernel=xx, tma=tma) if first_gram is None else first_gram
+        first_gram = None
         s = scale if i == last else 1.0
         final_transposed = i == last and transpose_result
         if q_form:
@@ -233,6 +252,10 @@ def _iterate_loop(
             del A
             if inv is not None:
                 scale_matrices_(Q, inv, mm)
+            if fold is not None:  # X <- (Q D) X; Q D is not symmetric
+                Q, fold = Q.mul_(fold), None
+                if final_transposed:
+                    return torch.bmm(X.mT, Q.mT)
             if final_transposed:
                 return torch.bmm(X.mT, Q)
             X = torch.bmm(Q, X)
@@ -254,6 +277,26 @@ def _iterate_loop(
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
         del B
     return X
+
+
+def _aol_start(
+    X: Tensor, normalize: Normalization, path: IterationPath
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """AOL's scaling for :func:`_iterate_loop`: ``(D A D, X, factors)``. ``A = X X^T`` is
+    formed once, in fp32, and ``D A D`` comes back in the loop's dtype for its first step; the
+    returned ``X`` is ``D X`` (the fp16 copy, or ``X`` scaled in place) unless the factors come
+    back too, to be folded into the first ``Q`` (the kernel's Q-form: no ``m x n`` pass)."""
+    A32 = gram(X, out_dtype=torch.float32, kernel=path.xx_triton, tma=path.tma)
+    factors = normalize.factors(A32)
+    half = path.products == "fp16"
+    first_gram = scale_gram_(A32, factors).to(torch.float16 if half else X.dtype)
+    del A32
+    if half:
+        return first_gram, scaled_rows(X, factors, torch.float16), None
+    if path.mm_triton:
+        return first_gram, X, factors
+    X.mul_(factors.mT)
+    return first_gram, X, None
 
 
 def _is_transposed(X: Tensor) -> bool:
@@ -298,7 +341,8 @@ def iterate_gram(
     products run in the Triton kernel where ``path`` says so, else as fp16 torch products.
     Same result as :func:`iterate` up to rounding (tested against it). ``normalize`` divides
     the unnormalized input by its norm: the first Gram matrix (formed in fp32) by the norm
-    squared, the first ``Q`` applied to ``X`` by the norm. ``out``: a contiguous bf16 buffer
+    squared, the first ``Q`` applied to ``X`` by the norm (with ``normalize.aol``: ``D A D``
+    and ``Q D``, AOL's row factors ``D``). ``out``: a contiguous bf16 buffer
     shaped like the result (``X``, or ``X^T`` with ``transpose_result``) that the caller no
     longer needs, typically the input's own storage: the result is written into it once a
     restart has re-formed ``X`` elsewhere (one stack less to allocate).
@@ -314,8 +358,8 @@ def iterate_gram(
         R = gram(X, alpha=s, out_dtype=half, **xx)
     else:
         R32 = gram(X, out_dtype=torch.float32, **xx)
-        inv = normalize.inverse_norms(R32)
-        R = R32.mul_(inv * inv * s).to(half)
+        inv = normalize.factors(R32)  # (B, 1, 1), or AOL's (B, 1, m)
+        R = scale_gram_(R32, inv, s).to(half)
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed
@@ -341,11 +385,13 @@ def iterate_gram(
     del R, Z
     assert Q is not None
     Q = _applied(Q, inv, X.dtype)
-    if transpose_result:
-        return torch.bmm(X.mT, Q, out=result_into)
+    if transpose_result:  # (Q X)^T = X^T Q^T; Q^T = Q unless AOL's factors are still in it
+        Qt = Q.mT if inv is not None and inv.size(-1) > 1 else Q
+        return torch.bmm(X.mT, Qt, out=result_into)
     return torch.bmm(Q, X, out=result_into)
 
 
 def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``Q`` (times the pending inverse norms, if any) in X's dtype, ready to multiply X."""
+    """``Q`` (times the pending inverse norms or AOL factors, if any: ``Q diag(f)``) in X's
+    dtype, ready to multiply X."""
     return Q.to(dtype) if inv is None else (Q * inv).to(dtype)

@@ -1,0 +1,40 @@
+"""AOL scaling (Turbo-Muon, arXiv:2512.04632): the input's rows scaled from its Gram matrix.
+
+For a wide batch ``X`` (``m <= n``) with ``A = X X^T``, ``D = diag(1 / sqrt(sum_j |A_ij|))``
+gives ``||D X||_2 <= 1`` (the AOL bound, arXiv:2208.03160): the guarantee that dividing by the
+Frobenius norm gave, with the rows equilibrated, so small singular values start larger and the
+iteration needs one step fewer. ``D X`` has the Gram matrix ``D A D``, so the first step reuses
+``A`` instead of forming another product; the cost is a row sum and two diagonal scalings.
+
+``D`` is not a scalar: the iteration approximates the polar factor of ``D X``, not of ``X``
+(docs/design/turbo_aol.md measures the difference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def aol_factors(gram32: Tensor, eps: float) -> Tensor:
+    """``(B, 1, m)`` fp32 factors ``1 / max(sqrt(sum_j |A_ij|), eps)`` of the rows of a wide
+    batch, from its Gram matrix ``A`` (``B, m, m``, fp32). ``eps`` bounds what a row is
+    divided by from below (a zero row stays zero)."""
+    row_sums = torch.linalg.vector_norm(gram32, ord=1, dim=-1, dtype=torch.float32)
+    return row_sums.sqrt_().clamp_min_(eps).reciprocal_().unsqueeze(-2)
+
+
+def scale_gram_(gram32: Tensor, factors: Tensor, extra: float = 1.0) -> Tensor:
+    """``extra * diag(f) A diag(f)`` in place of the fp32 Gram matrix ``A``, for factors ``f``
+    of shape ``(B, 1, 1)`` (one per matrix: ``A * (f^2 * extra)``) or ``(B, 1, m)`` (AOL);
+    returns ``A``."""
+    if factors.size(-1) == 1:
+        return gram32.mul_(factors * factors * extra)
+    return gram32.mul_(factors.mT).mul_(factors * extra)
+
+
+def scaled_rows(X: Tensor, factors: Tensor, dtype: torch.dtype) -> Tensor:
+    """``diag(f) X`` for a batch ``X`` and factors ``(B, 1, m)``, in a new ``dtype`` tensor
+    with ``X``'s strides (one pass)."""
+    out = torch.empty_like(X, dtype=dtype)
+    return torch.mul(X, factors.mT, out=out)
