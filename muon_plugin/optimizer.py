@@ -74,8 +74,8 @@ class Muon(CopyableOptimizer):
         wd: decoupled weight decay, applied with the group ``lr`` (default 0.1).
         use_cautious_wd: decay only where the update and the parameter agree in sign.
         momentum, nesterov: Muon's momentum (fp32 buffers for bf16/fp16 parameters).
-        ns_steps, orthogonalization_strategy: iteration count and ``"polar_express"`` or
-            ``"newton_schulz"``.
+        ns_steps, orthogonalization_strategy: iteration count and ``"polar_express"``,
+            ``"newton_schulz"`` or ``"turbo_muon"`` (AOL row scaling, meant for 4 steps).
         ns_coefficients: one fixed quintic ``(a, b, c)`` for every step instead of the
             strategy's schedule (torch.optim.Muon's option; default None).
         ns_eps: lower bound on the norm the input is divided by (default 1e-7).

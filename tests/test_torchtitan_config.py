@@ -168,3 +168,12 @@ def test_example_configs_parse() -> None:
         cfg = parse(["--job.config_file", str(path)])
         assert cfg.optimizer.name == "muon", path
         cfg.optimizer.muon.validate()
+
+
+def test_turbo_muon_from_toml_and_cli(tmp_path: Path) -> None:
+    toml = TOML.replace('"newton_schulz"', '"turbo_muon"').replace("ns_steps = 5", "ns_steps = 4")
+    m = parse(["--job.config_file", write(tmp_path, toml)]).optimizer.muon
+    assert (m.orthogonalization, m.ns_steps) == ("turbo_muon", 4)
+    flag = ["--optimizer.muon.orthogonalization", "turbo_muon"]
+    m = parse(["--job.config_file", write(tmp_path, TOML), *flag]).optimizer.muon
+    assert m.orthogonalization == "turbo_muon"

@@ -227,16 +227,8 @@ def _iterate_loop(
     """
     q_form = path.products != "bf16"
     xx, mm, tma = path.xx_triton, path.mm_triton, path.tma
-    first_gram = fold = None  # AOL: the first step's Gram matrix, the factors left for its Q
-    if normalize is not None and normalize.aol:
-        first_gram, X, fold = _aol_start(X, normalize, path)
-        normalize = None
-    elif path.products == "fp16":
-        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
-        normalize = None
-    elif normalize is not None and not mm:
-        normalize.scale_(X, path.uses_triton)
-        normalize = None
+    # AOL: the first step's Gram matrix, and the factors left to fold into its Q.
+    X, normalize, first_gram, fold = _loop_input(X, normalize, path)
     last = len(coefficients) - 1
     for i, (a, b, c) in enumerate(coefficients):
         A = gram(X, kernel=xx, tma=tma) if first_gram is None else first_gram
@@ -277,6 +269,24 @@ def _iterate_loop(
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
         del B
     return X
+
+
+def _loop_input(
+    X: Tensor, normalize: Normalization | None, path: IterationPath
+) -> tuple[Tensor, Normalization | None, Tensor | None, Tensor | None]:
+    """The loop's input, normalized here unless the kernel folds the norm into the first step
+    (then ``normalize`` comes back): ``(X, normalize, first Gram matrix, factors to fold)``,
+    the last two from :func:`_aol_start` with AOL, else None."""
+    if normalize is not None and normalize.aol:
+        first_gram, X, fold = _aol_start(X, normalize, path)
+        return X, None, first_gram, fold
+    if path.products == "fp16":
+        X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
+        return X, None, None, None
+    if normalize is not None and not path.mm_triton:
+        normalize.scale_(X, path.uses_triton)
+        return X, None, None, None
+    return X, normalize, None, None
 
 
 def _aol_start(

@@ -65,7 +65,9 @@ class MuonConfig:
 
     orthogonalization: choices(STRATEGIES, _STRATEGY) = _STRATEGY
     """Orthogonalization iteration: 'polar_express' (per-step optimal coefficients,
-    arXiv:2505.16932) or 'newton_schulz' (Muon's fixed quintic)."""
+    arXiv:2505.16932), 'newton_schulz' (Muon's fixed quintic) or 'turbo_muon' (AOL row scaling
+    from the first Gram matrix and its fitted quintics, arXiv:2512.04632; meant for ns_steps = 4;
+    it approximates the polar factor of the row-scaled matrix, see docs/design/turbo_aol.md)."""
 
     ns_steps: int = DEFAULTS["ns_steps"]
     """Number of orthogonalization iterations."""

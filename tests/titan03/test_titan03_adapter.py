@@ -218,3 +218,12 @@ def test_to_muon_keeps_a_muon_config() -> None:
     got = to_muon(cfg, momentum=0.9, lr=0.5)
     assert got.lr == 0.5 and got.muon.momentum == 0.9 and cfg.muon.momentum == 0.95
     assert dataclasses.replace(got, lr=1e-2, muon=cfg.muon) == cfg
+
+
+def test_turbo_muon_from_the_cli() -> None:
+    from torchtitan.config import ConfigManager
+
+    args = ["--module", "muon_plugin.torchtitan03.configs", "--config", "llama3.llama3_debugmodel"]
+    flags = ["--optimizer.muon.orthogonalization", "turbo_muon", "--optimizer.muon.ns_steps", "4"]
+    muon = ConfigManager().parse_args([*args, *flags]).optimizer.muon
+    assert (muon.orthogonalization, muon.ns_steps) == ("turbo_muon", 4)

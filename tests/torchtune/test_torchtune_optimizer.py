@@ -166,3 +166,9 @@ def test_docs_yaml_example_is_the_config(cfg, model) -> None:
     sections = [OmegaConf.create(b) for b in blocks]
     optimizer = next(s.optimizer for s in sections if "optimizer" in s)
     assert OmegaConf.to_container(optimizer) == OmegaConf.to_container(cfg.optimizer)
+
+
+def test_turbo_muon_reaches_the_muon_groups(cfg, model) -> None:
+    groups = groups_by_class(build(cfg, model, orthogonalization="turbo_muon", ns_steps=4))
+    assert groups["matrix"]["orthogonalization_strategy"] == "turbo_muon"
+    assert groups["matrix"]["ns_steps"] == 4
