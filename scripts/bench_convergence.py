@@ -8,15 +8,17 @@ the seed changed. The plan, in order (``--budget-s`` stops launching runs that w
 1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``),
 2. ``--seeds`` more seeds of each at its best lr (lowest final validation loss),
 3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
-   each seed,
+   each seed, and the Muon variants of ``--variants`` (``turbo``: ``orthogonalization =
+   "turbo_muon"``, ``ns_steps = 4``) at Muon's best lr and each of ``--seeds``,
 4. Muon at its best lr and each seed with shorter schedules (``--budgets``: the same warm-up,
    the cosine decay ending at the budget): the steps Muon needs to reach AdamW's best
    validation loss are those of the shortest schedule that reaches it (linear between budgets),
    the usual way to compare optimizers' step efficiency; the step where a full-length Muon run
    crosses that loss is reported beside it, but it is measured mid-schedule, at a high lr;
-5. ``--speed-repeats`` pairs of short speed runs (AdamW, then Muon, each alone on the machine,
-   no validation, ``--speed-steps`` steps): their tokens/s (median over the logged windows after
-   warm-up, then the median over repeats, with the spread) give the speed comparison.
+5. ``--speed-repeats`` rounds of short speed runs (AdamW, then Muon, then each of
+   ``--variants``, each alone on the machine, no validation, ``--speed-steps`` steps): their
+   tokens/s (median over the logged windows after warm-up, then the median over repeats, with
+   the spread) give the speed comparison.
 
 Every finished run is kept in ``OUT/curves.json`` (train and validation curves, tokens/s) and
 a rerun with the same ``--out`` skips it, so the plan can be split over several invocations.
@@ -31,6 +33,7 @@ Only ``--write-results`` touches RESULTS.md.
 
     python scripts/bench_convergence.py --out results/convergence          # the H200 plan
     python scripts/bench_convergence.py --smoke --out /tmp/conv           # CPU, 2 tiny runs
+    python scripts/bench_convergence.py --variants turbo --out results/convergence  # + turbo_muon
     python scripts/bench_convergence.py --report-only --out results/convergence --write-results
 """
 
@@ -66,6 +69,11 @@ OPTIMIZER_ARGS = {
 }
 LP_ARGS = {dtype: ["--optimizer.name", "muon", "--optimizer.muon.state_dtype", dtype]
            for dtype in ("int8", "int4", "fp8")}  # fmt: skip
+# Muon variants (``--variants``), run at Muon's best lr and compared with it on the same seeds.
+VARIANT_ARGS = {
+    "turbo": ["--optimizer.name", "muon", "--optimizer.muon.orthogonalization", "turbo_muon",
+              "--optimizer.muon.ns_steps", "4"],
+}  # fmt: skip
 DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3"}
 SMOKE_ARGS = [
     "--model.flavor", "bench_tiny", "--training.local_batch_size", "2",
@@ -79,7 +87,7 @@ SMOKE_ARGS = [
 class Run:
     """One training run of the plan."""
 
-    optimizer: str  # "adamw", "muon" or "muonlp-<dtype>"
+    optimizer: str  # "adamw", "muon", "muonlp-<dtype>" or "muon-<variant>"
     lr: float
     seed: int
     budget: int | None = None  # a shorter schedule (steps); None: the full --steps
@@ -95,6 +103,8 @@ class Run:
     def job_args(self) -> list[str]:
         if self.optimizer.startswith("muonlp-"):
             opt = LP_ARGS[self.optimizer.removeprefix("muonlp-")]
+        elif self.optimizer.startswith("muon-"):
+            opt = VARIANT_ARGS[self.optimizer.removeprefix("muon-")]
         else:
             opt = OPTIMIZER_ARGS[self.optimizer]
         return [*opt, "--optimizer.lr", f"{self.lr:g}", "--debug.seed", str(self.seed)]
@@ -216,11 +226,17 @@ def best_lr(records: list[dict], optimizer: str) -> float | None:
     return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
 
 
+def at_muons_lr(optimizer: str) -> bool:
+    """Whether ``optimizer`` runs at Muon's best lr (MuonLP and the Muon variants)."""
+    return optimizer.startswith(("muonlp-", "muon-"))
+
+
 def best_groups(full: list[dict]) -> dict[str, list[dict]]:
-    """Per optimizer, its full-length runs at its best lr (MuonLP at Muon's), every seed."""
+    """Per optimizer, its full-length runs at its best lr (MuonLP and the Muon variants at
+    Muon's), every seed."""
     groups = {}
     for opt in sorted({r["optimizer"] for r in full}):
-        lr = best_lr(full, "muon" if opt.startswith("muonlp-") else opt)
+        lr = best_lr(full, "muon" if at_muons_lr(opt) else opt)
         chosen = [r for r in full if r["optimizer"] == opt and r["lr"] == lr]
         if chosen:
             groups[opt] = chosen
@@ -249,12 +265,14 @@ def plan(args, records: list[dict]) -> list[Run]:
     if "muon" in best:
         muon_lr = best["muon"]
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
+        runs += [Run(f"muon-{v}", muon_lr, seed) for v in args.variants for seed in args.seeds]
         runs += [Run("muon", muon_lr, seed, budget=b) for b in args.budgets for seed in args.seeds]
     if len(best) == len(args.optimizers):
+        variants = {f"muon-{v}": best["muon"] for v in args.variants if "muon" in best}
         runs += [
-            Run(opt, best[opt], 0, speed=i)
+            Run(opt, lr, 0, speed=i)
             for i in range(args.speed_repeats)
-            for opt in args.optimizers
+            for opt, lr in {**best, **variants}.items()
         ]
     seen: set[str] = set()
     todo = []
@@ -382,7 +400,7 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
     for opt, runs in groups.items():
         seeds = {r["seed"] for r in runs}
         peers = [r for r in groups.get("muon", []) if r["seed"] in seeds]
-        if opt.startswith("muonlp-") and peers:  # against fp32-state Muon on the same seeds
+        if at_muons_lr(opt) and peers:  # against fp32-state Muon on the same seeds
             head[opt]["val_gap_vs_muon"] = head[opt]["final_val"] / mean_curve(peers)[-1][1] - 1
     if "muon" in groups and target is not None:
         sched_lines, sched = schedule_table(ok, groups["muon"], target)
@@ -395,7 +413,8 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
 
 
 COLORS = {"adamw": "tab:blue", "muon": "tab:red", "muonlp-int8": "tab:green",
-          "muonlp-int4": "tab:olive", "muonlp-fp8": "tab:purple"}  # fmt: skip
+          "muonlp-int4": "tab:olive", "muonlp-fp8": "tab:purple",
+          "muon-turbo": "tab:orange"}  # fmt: skip
 
 
 def smooth(values: list[float], width: int = 5) -> list[float]:
@@ -471,6 +490,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1", help="seeds at each optimizer's best lr")
     p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
     p.add_argument("--lp-seeds", default="0", help="seeds of the MuonLP runs")
+    p.add_argument("--variants", default="",
+                   help="Muon variants at Muon's best lr and --seeds: 'turbo' (turbo_muon, "
+                   "ns_steps 4)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument(
         "--budgets",
@@ -514,6 +536,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for d in args.lp:
         if d not in LP_ARGS:
             p.error(f"--lp: unknown state dtype {d!r}; choose from {sorted(LP_ARGS)}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    for v in args.variants:
+        if v not in VARIANT_ARGS:
+            p.error(f"--variants: unknown variant {v!r}; choose from {sorted(VARIANT_ARGS)}")
     if args.smoke:
         args.seeds, args.lp, args.budgets = [0], [], []
     if args.speed_repeats is None:
@@ -590,8 +616,9 @@ def verdicts(head: dict) -> list[str]:
                    f"{muon['tps_from']} (target >= 0.97)")  # fmt: skip
     for opt, row in head.items():
         if "val_gap_vs_muon" in row:
+            target = " (target within 1%)" if opt.startswith("muonlp-") else ""
             out.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "
-                       "fp32-state Muon (target within 1%)")  # fmt: skip
+                       f"fp32-state Muon{target}")  # fmt: skip
     return out
 
 

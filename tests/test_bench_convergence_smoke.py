@@ -112,19 +112,23 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
         "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
-        "--out", str(out), "--parallel", "2",
+        "--out", str(out), "--parallel", "2", "--variants", "turbo",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "curves.json").read_text())
     runs = {r["name"]: r for r in data["runs"]}
-    assert sorted(runs) == ["adamw-lr0.001-seed0", "muon-lr0.002-seed0"]
+    assert sorted(runs) == ["adamw-lr0.001-seed0", "muon-lr0.002-seed0", "muon-turbo-lr0.002-seed0"]
     for run in runs.values():
-        assert run["status"] == "ok" and run["concurrent"] == 2  # both sweeps ran at once
+        # both sweeps ran at once; the turbo_muon variant after them, at Muon's best lr
+        assert run["status"] == "ok" and run["concurrent"] == (1 if "turbo" in run["name"] else 2)
         assert [s for s, _ in run["train"]] == [1, 2, 3]
         assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
+    log = (out / "runs" / "muon-turbo-lr0.002-seed0" / "train.log").read_text()
+    assert "turbo_muon x4" in log  # the build summary of the job
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["optimizers"]) == {"adamw", "muon"}
+    assert set(summary["optimizers"]) == {"adamw", "muon", "muon-turbo"}
+    assert "val_gap_vs_muon" in summary["optimizers"]["muon-turbo"]
     summary_md = (out / "summary.md").read_text()
     assert "reaches AdamW's best val loss" in summary_md
     try:
@@ -158,3 +162,34 @@ def test_a_speed_run_is_a_valid_job_without_validation(tmp_path, monkeypatch):
     job = check(str(bc.CONFIG), job_args)
     assert job.validation.enable is False and job.training.steps == 2
     assert job.optimizer.name == "muon" and job.optimizer.lr == 4e-3
+
+
+def test_the_turbo_variant_runs_at_muons_best_lr(tmp_path):
+    """``--variants turbo``: turbo_muon x4 at Muon's best lr on every seed, in the speed runs,
+    compared with Muon; its command line parses as torchtitan's job with that option."""
+    from muon_plugin.torchtitan.check import check
+
+    args = bc.parse_args(
+        ["--variants", "turbo", "--lp", "", "--budgets", "", "--seeds", "0,1",
+         "--speed-repeats", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in bc.plan(args, [])]
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "adamw-lr0.001-seed1", "muon-lr0.002-seed1", "muon-turbo-lr0.002-seed0",
+        "muon-turbo-lr0.002-seed1", "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0",
+        "speed-muon-turbo-lr0.002-0",
+    ]  # fmt: skip
+    job = check(str(bc.CONFIG), bc.Run("muon-turbo", 2e-3, 0).job_args())
+    assert (job.optimizer.muon.orthogonalization, job.optimizer.muon.ns_steps) == ("turbo_muon", 4)
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.8], [20, 3.0]]),
+        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]]),
+        _record("muon-turbo", 4e-3, 0, [[10, 3.9], [20, 3.06]]),
+    ]
+    _, head = bc.summarize(records)
+    assert head["muon-turbo"]["lr"] == 4e-3
+    assert head["muon-turbo"]["val_gap_vs_muon"] == pytest.approx(0.02)
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--variants", "turbo_muon"])
