@@ -8,7 +8,8 @@ runs saved earlier with ``--json``). Sections (``--sections``, default all):
 1. ``kernels``: the Triton symmetric Gram kernel ``symmetric_matmul(X)`` against cuBLAS
    ``X @ X.mT`` (bf16), what the ``gram`` dispatcher picks and whether it is ever slower than
    cuBLAS, and the epilogue form ``c * A @ A + b * A`` on the square Gram matrices.
-2. ``ortho``: ``zeropower`` per strategy (polar_express, newton_schulz; 5 steps), ms and achieved
+2. ``ortho``: ``zeropower`` per strategy (polar_express, newton_schulz; 5 steps; turbo_muon,
+   4 steps), ms and achieved
    TFLOP/s (plain-matmul count: ``4 m^2 n + 2 m^3`` per step, m <= n) against a bf16 matmul
    peak measured in the same run; accuracy: relative distance to the fp64 iteration and to the
    exact polar factor (fp64) on a Gaussian and on a low-rank-plus-noise input, each path
@@ -491,20 +492,26 @@ def torch_matrix_scaling() -> contextlib.AbstractContextManager[Patched]:
     return row_patch(matrix_scale, "_use_kernel", lambda X, kernel: False)
 
 
-def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:
+Loop = tuple[str, int]
+"""(strategy, steps): the fp64 loop a variant computes."""
+
+
+def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, Loop]]:
     """(name, fn of the input, environment, the fp64 loop it computes) for one input shape:
-    the default path, Newton-Schulz, the plain bf16 loop, the default path on cuBLAS alone
-    (where the Gram-space path runs, which is cuBLAS-only otherwise), the naive reference."""
-    variants: list[tuple[str, Callable[[torch.Tensor], Any], dict, str]] = [
-        ("polar_express", lambda X: zeropower(X, 5, "polar_express"), {}, "polar_express"),
-        ("newton_schulz", lambda X: zeropower(X, 5, "newton_schulz"), {}, "newton_schulz"),
+    the default path, Newton-Schulz, Turbo-Muon's 4 steps, the plain bf16 loop, the default path
+    on cuBLAS alone (where the Gram-space path runs, which is cuBLAS-only otherwise), the naive
+    reference."""
+    variants: list[tuple[str, Callable[[torch.Tensor], Any], dict, Loop]] = [
+        ("polar_express", lambda X: zeropower(X, 5, "polar_express"), {}, ("polar_express", 5)),
+        ("newton_schulz", lambda X: zeropower(X, 5, "newton_schulz"), {}, ("newton_schulz", 5)),
+        (TURBO, lambda X: zeropower(X, 4, "turbo_muon"), {}, ("turbo_muon", 4)),
     ]
     variants.append(
         (
             PLAIN_LOOP,
             lambda X: zeropower(X, 5, "polar_express", gram_space=False),
             {"MUON_PLUGIN_DISABLE_TRITON": "1"},
-            "polar_express",
+            ("polar_express", 5),
         )
     )
     if use_triton and use_gram_iteration(G.reshape(-1, *G.shape[-2:]).to(torch.bfloat16)):
@@ -513,14 +520,17 @@ def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callabl
                 "polar_express, cuBLAS only",
                 lambda X: zeropower(X, 5, "polar_express"),
                 {"MUON_PLUGIN_DISABLE_TRITON": "1"},
-                "polar_express",
+                ("polar_express", 5),
             )
         )
-    variants.append(
-        ("naive eager NS (reference)", lambda X: naive_newton_schulz(X, 5), {}, "newton_schulz")
-    )
+    naive = ("newton_schulz", 5)
+    variants.append(("naive eager NS (reference)", lambda X: naive_newton_schulz(X, 5), {}, naive))
     return variants
 
+
+TURBO = "turbo_muon x4"
+"""Turbo-Muon (AOL row scaling, its fitted quintics) at its 4 steps; it approximates the polar
+factor of the row-scaled matrix (docs/design/turbo_aol.md)."""
 
 PLAIN_LOOP = "polar_express, plain bf16 loop"
 """The plain bf16 loop (no Gram space, cuBLAS only): the accuracy every fast path must keep."""
@@ -557,11 +567,12 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
     gen = torch.Generator(device=device).manual_seed(1)
     for shape in (scale_shape(s, cfg.div) for s in ORTHO_SHAPES):
         G = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)  # fp32, as
-        flops = ns_flops(shape)  # the optimizer hands over momentum directions
-        refs = {s: float64_loop(G, s) for s in ("polar_express", "newton_schulz")}
+        variants = ortho_variants(G, use_triton)  # the optimizer hands over momentum directions
+        refs = {loop: float64_loop(G, *loop) for *_, loop in variants}
         L = low_rank_plus_noise(shape, gen, device)
         polar = {"gauss": exact_polar(G), "low_rank": exact_polar(L)}
-        for name, fn, env, loop in ortho_variants(G, use_triton):
+        for name, fn, env, loop in variants:
+            flops = ns_flops(shape, loop[1])
             row: dict[str, Any] = {"section": "ortho", "shape": fmt_shape(shape), "name": name}
             try:
                 with contextlib.ExitStack() as stack:
@@ -603,12 +614,17 @@ def check_accuracy(rows: list[dict], shape: str, log) -> None:
 
 
 def float64_loop(G: torch.Tensor, strategy: str, steps: int = 5) -> torch.Tensor:
-    """The intended map, run in fp64: normalize, then the strategy's steps (tall: transposed)."""
+    """The intended map, run in fp64: normalize (turbo_muon: the rows of the wide orientation
+    by the square roots of the absolute row sums of its Gram matrix), then the strategy's steps
+    (tall: transposed)."""
     sched = coefficient_schedule(strategy, steps)
     X = G.double()
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * sched.norm_safety)
     tall = X.shape[-2] > X.shape[-1]
     X = X.mT if tall else X
+    if sched.aol:
+        X = X / (X @ X.mT).abs().sum(-1, keepdim=True).sqrt()
+    else:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * sched.norm_safety)
     for a, b, c in sched.coefficients:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
@@ -859,6 +875,13 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, orthogonalization_strategy="newton_schulz"),
             required=True,
+        ),
+        Row(
+            "MuonForeach (turbo_muon x4)",
+            "ours",
+            lambda ps: MuonForeach(
+                ps, lr=LR, wd=WD, orthogonalization_strategy="turbo_muon", ns_steps=4
+            ),
         ),
         Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),
         *lp_rows(),

@@ -174,7 +174,7 @@ def test_every_kernel_and_orthogonalization_row_prints_a_number(every_row) -> No
     ortho = [r for r in data["rows"] if r["section"] == "ortho"]
     assert all("error" not in r and r["ms"] > 0 and r["tflops"] > 0 for r in ortho), ortho
     assert {r["name"] for r in ortho} >= {
-        "polar_express", "newton_schulz", "polar_express, plain bf16 loop",
+        "polar_express", "newton_schulz", "turbo_muon x4", "polar_express, plain bf16 loop",
         "naive eager NS (reference)",
     }  # fmt: skip
     # The accuracy columns: distance to the exact (fp64) polar factor on two kinds of input.
@@ -195,7 +195,7 @@ def test_every_orthogonalization_variant_runs_here(monkeypatch) -> None:
     G = torch.randn(32, 64, device=DEVICE)
     variants = benchmark.ortho_variants(G, use_triton=True)
     assert [name for name, *_ in variants] == [
-        "polar_express", "newton_schulz", "polar_express, plain bf16 loop",
+        "polar_express", "newton_schulz", "turbo_muon x4", "polar_express, plain bf16 loop",
         "polar_express, cuBLAS only", "naive eager NS (reference)",
     ]  # fmt: skip
     for name, fn, env, _ in variants:
