@@ -6,7 +6,9 @@ ones, matrix dims divided by ``--div``), its Gaussian and low-rank-plus-noise in
 generator, so ``--div 1`` on a GPU draws the benchmark's matrices), and its exact polar factor
 (fp64). Two more gradient-like inputs: full rank with singular values decaying from 1 to 1e-2
 (``decay2``) or 1e-3 (``decay3``), random singular vectors. Per variant (``polar_express x5``,
-``polar_express x4``, ``turbo_muon x4``, ``turbo_muon x5``, ``newton_schulz x5``) it reports the
+``polar_express x4``, ``turbo_muon x4``, ``turbo_muon x5``, ``newton_schulz x5``; on request
+the two other published Turbo-Muon quintic sets with AOL, ``turbo_set_i x4`` and
+``turbo_set_iii x4``) it reports the
 relative Frobenius distance ``||O - polar(G)|| / ||polar(G)||``, the mean over the shapes and each
 shape's; for turbo_muon also the distance to ``polar(D G)``, the factor it approximates (``D``:
 AOL's row scaling of the wide orientation), and once per input how far that target is from
@@ -20,7 +22,7 @@ benchmark's ``zeropower`` calls), with the kernel's products emulated (fp32 accu
 epilogue, one rounding).
 
     python scripts/polar_accuracy.py [--div 4] [--device cpu|cuda] [--paths native,gpu]
-        [--inputs gauss,low_rank,decay2,decay3] [--json out.json]
+        [--inputs gauss,low_rank,decay2,decay3] [--variants "turbo_muon x4,..."] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for benchm
 from benchmark import ORTHO_SHAPES, exact_polar, low_rank_plus_noise, scale_shape  # noqa: E402
 
 import muon_plugin.orthogonalize.iterations as iterations  # noqa: E402
-from muon_plugin.orthogonalize import IterationPath, zeropower  # noqa: E402
+from muon_plugin.orthogonalize import IterationPath, Schedule, run_iteration, zeropower  # noqa: E402
+from muon_plugin.orthogonalize.backends import iteration_backend  # noqa: E402
 from muon_plugin.orthogonalize.paths import Features, iteration_path  # noqa: E402
 
 VARIANTS = (
@@ -54,6 +57,23 @@ VARIANTS = (
     ("turbo_muon", 5),
     ("newton_schulz", 5),
 )
+# The other published Turbo-Muon quintic sets, AOL-scaled like turbo_muon (comparison only):
+# the 4-step tail of the earlier "quintic" schedule its first code used, and its first fitted set.
+ALTERNATIVE_SETS = {
+    "turbo_set_i": (
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "turbo_set_iii": (
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+}
+OPTIONAL_VARIANTS = (("turbo_set_i", 4), ("turbo_set_iii", 4))
 INPUTS = ("gauss", "low_rank", "decay2", "decay3")
 PATHS = ("native", "gpu")
 
@@ -76,6 +96,16 @@ def aol_scaled(G: torch.Tensor) -> torch.Tensor:
     X = X.mT if tall else X
     X = X / (X @ X.mT).abs().sum(-1, keepdim=True).sqrt()
     return X.mT if tall else X
+
+
+def orthogonalized(G: torch.Tensor, strategy: str, steps: int, path: IterationPath | None):
+    """``zeropower`` of a strategy, or an alternative AOL set on the same path."""
+    if strategy not in ALTERNATIVE_SETS:
+        return zeropower(G, steps, strategy, path=path)
+    if path is None:
+        m, n = sorted(G.shape[-2:])
+        path = iteration_backend("auto").iteration_path(math.prod(G.shape[:-2]), m, n, G.device)
+    return run_iteration(G, Schedule(ALTERNATIVE_SETS[strategy][:steps], 1.0, True), path)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -143,8 +173,8 @@ def measure(args) -> list[dict]:
                 path = None if path_name == "native" else gpu_path(full)
                 ctx = kernel_emulated() if path is not None and path.uses_triton else None
                 with ctx or contextlib.nullcontext():
-                    for strategy, steps in VARIANTS:
-                        out = zeropower(G, steps, strategy, path=path)
+                    for strategy, steps in args.variants:
+                        out = orthogonalized(G, steps=steps, strategy=strategy, path=path)
                         row = {
                             "shape": "x".join(map(str, shape)),
                             "input": kind,
@@ -153,7 +183,7 @@ def measure(args) -> list[dict]:
                             "err_polar": rel_err(out, exact),
                             "caveat": caveat,
                         }
-                        if strategy == "turbo_muon":
+                        if strategy.startswith("turbo"):
                             row["err_target"] = rel_err(out, target)
                         rows.append(row)
             print(f"  {'x'.join(map(str, shape))} {kind}: done", flush=True)
@@ -201,11 +231,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--paths", default=None, help="native,gpu (default: gpu only on the CPU)")
     p.add_argument("--inputs", default=",".join(INPUTS))
+    p.add_argument("--variants", default=",".join(f"{s} x{n}" for s, n in VARIANTS))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.inputs = [i for i in args.inputs.split(",") if i]
     if not set(args.inputs) <= set(INPUTS):
         p.error(f"--inputs: choose from {INPUTS}")
+    known = {f"{s} x{n}": (s, n) for s, n in (*VARIANTS, *OPTIONAL_VARIANTS)}
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not names or not set(names) <= set(known):
+        p.error(f"--variants: choose from {', '.join(known)}")
+    args.variants = [known[v] for v in names]
     cpu = torch.device(args.device).type == "cpu"
     default = "native,gpu" if cpu else "native"
     args.paths = [x for x in (args.paths or default).split(",") if x]

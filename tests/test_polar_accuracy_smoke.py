@@ -32,6 +32,15 @@ def test_tiny_run_reports_every_variant_input_and_path(tmp_path, capsys):
     assert "64x64: gpu (x, triton(ptr))" in printed  # 4096 x 4096 on a GPU: the kernel
 
 
+def test_the_other_published_sets_run_on_both_paths(capsys):
+    argv = ["--div", "64", "--inputs", "gauss", "--variants", "turbo_set_i x4,turbo_set_iii x4"]
+    assert pa.main(argv) == 0
+    printed = capsys.readouterr().out
+    for path in ("native", "gpu"):
+        for variant in ("turbo_set_i x4", "turbo_set_iii x4"):
+            assert f"| {path} | gauss | {variant} |" in printed
+
+
 def test_aol_scaling_is_turbo_muons():
     """zeropower's turbo_muon approximates the polar factor of the script's fp64 ``D G``:
     with uneven rows, clearly closer to it than to the polar factor of ``G``."""
