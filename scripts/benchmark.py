@@ -478,7 +478,9 @@ def cublas_below_m(min_m: int) -> contextlib.AbstractContextManager[Patched]:
     return row_patch(
         paths,
         "kernel_wins",
-        lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch),
+        lambda m, k, batch=1, graphed=False, device=None: (
+            m >= min_m and rule(m, k, batch, device=device)
+        ),
         on_cpu=False,  # asked only where the Triton kernel could run
     )
 

@@ -80,8 +80,8 @@ def iteration_path(
     """
     cuda = device.type == "cuda"
     triton = features.triton and cuda
-    xx = triton and kernel_wins(m, n, batch, graphed)
-    mm = triton and kernel_wins(m, m, batch, graphed)
+    xx = triton and kernel_wins(m, n, batch, graphed, device)
+    mm = triton and kernel_wins(m, m, batch, graphed, device)
     if gram_space is None:
         gram_space = features.gram and gram_space_wins(m, n, cuda)
     if mm:
