@@ -42,7 +42,10 @@ from muon_plugin.kernels.elementwise import (
 
 
 class Orthogonalizer(Protocol):
-    """What stage 2 needs of a plan: local directions in, local updates out (same order)."""
+    """What stage 2 needs of a plan: local directions in, local updates out (same order).
+
+    A plan whose specs normalize rows (NorMuon) also takes ``rows=``, the parameters' local
+    per-row states (see :meth:`muon_plugin.distributed.plan.OrthogonalizationPlan.run`)."""
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]: ...
 
@@ -121,13 +124,20 @@ def momentum_update_(
     return out  # type: ignore[return-value]
 
 
-def orthogonalize(directions: Sequence[Tensor], plan: Orthogonalizer) -> list[Tensor]:
+def orthogonalize(
+    directions: Sequence[Tensor],
+    plan: Orthogonalizer,
+    rows: Sequence[Tensor | None] | None = None,
+) -> list[Tensor]:
     """Stage 2: the local shards of the orthogonalized, lr-shape-scaled updates.
 
-    The plan owns the matrices' assembly from shards, their orthogonalization and the lr shape
-    factor; ``directions`` must be in the order the plan was built for.
+    The plan owns the matrices' assembly from shards, their orthogonalization, the lr shape
+    factor and, for specs that ask for it, NorMuon's row normalization with the per-row states
+    ``rows`` (updated in place); ``directions`` must be in the order the plan was built for.
     """
-    return plan.run(directions)
+    if rows is None:
+        return plan.run(directions)
+    return plan.run(directions, rows=rows)  # type: ignore[call-arg]
 
 
 def decay_and_update_(
@@ -213,6 +223,7 @@ def muon(
     foreach: bool = True,
     skip_nonfinite: bool = False,
     storage: MomentumStorage = BUFFERS,
+    second_moments: Sequence[Tensor | None] | None = None,
 ) -> list[int]:
     """One Muon step for lists of local tensors; returns the positions of skipped updates.
 
@@ -220,7 +231,9 @@ def muon(
     ``groups`` count them; ``plan`` was built for ``params`` in this order. With
     ``skip_nonfinite``, a parameter whose update is non-finite keeps its weights and momentum
     where the update is non-finite (whole matrices or row blocks, see
-    :func:`nonfinite_updates`).
+    :func:`nonfinite_updates`). ``second_moments``: per parameter, its local NorMuon per-row
+    state (fp32) when its group normalizes rows, else None (all None: omit it); with
+    ``skip_nonfinite`` a state left non-finite by a skipped update is restored too.
 
     A plan with several ``phases`` (sets of parameter positions whose matrices need no
     communication) is run phase by phase, each through all three stages, so that only one
@@ -233,7 +246,7 @@ def muon(
     for k, phase in enumerate(phases):
         members = set(phase)
         sub = [(g, [i for i in idx if i in members]) for g, idx in chunks]
-        step = _Step(params, grads, momentum_buffers, storage, skip_nonfinite)
+        step = _Step(params, grads, momentum_buffers, storage, skip_nonfinite, second_moments)
         skipped += step.run([(g, ix) for g, ix in sub if ix], plan, k if len(phases) > 1 else None)
     return sorted(skipped)
 
@@ -247,6 +260,7 @@ class _Step:
     momentum_buffers: Sequence[Any]
     storage: MomentumStorage
     skip_nonfinite: bool
+    rows: Sequence[Tensor | None] | None = None
 
     def run(
         self, chunks: list[tuple[GroupSettings, list[int]]], plan: Orthogonalizer, phase: int | None
@@ -255,6 +269,12 @@ class _Step:
         params, bufs, storage = self.params, self.momentum_buffers, self.storage
         order = [i for _, idx in chunks for i in idx]
         saved = {i: storage.snapshot(bufs[i]) for i in order} if self.skip_nonfinite else {}
+        rows = self.rows
+        saved_rows = (
+            {i: rows[i].clone() for i in order if rows[i] is not None}  # type: ignore[union-attr]
+            if self.skip_nonfinite and rows is not None
+            else {}
+        )
         directions: list[Tensor | None] = [None] * len(params)
         for group, idx in chunks:
             out = storage.update_(
@@ -267,9 +287,11 @@ class _Step:
             for i, d in zip(idx, out, strict=True):
                 directions[i] = d
         if phase is None:
-            updates = orthogonalize(directions, plan)  # type: ignore[arg-type]
-        else:
+            updates = orthogonalize(directions, plan, rows)  # type: ignore[arg-type]
+        elif rows is None:
             updates = plan.run(directions, phase)  # type: ignore[call-arg]
+        else:
+            updates = plan.run(directions, phase, rows=rows)  # type: ignore[call-arg]
         del directions
         bad = nonfinite_updates([updates[i] for i in order]) if self.skip_nonfinite else {}
         skipped = {order[j]: finite for j, finite in bad.items()}
@@ -277,6 +299,11 @@ class _Step:
         for i, finite in skipped.items():
             storage.restore_(bufs[i], saved[i], finite)
             before[i] = params[i].clone()
+        for i, state in saved_rows.items():
+            # Non-finite rows come from a skipped matrix (also on a rank whose shard of it is
+            # empty, which sees no update to skip).
+            row = rows[i]  # type: ignore[index]
+            row.copy_(torch.where(torch.isfinite(row), row, state))
         for group, idx in chunks:
             decay_and_update_(
                 [params[i] for i in idx],

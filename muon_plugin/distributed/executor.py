@@ -14,6 +14,13 @@ every layout, local ones included, so a parameter's update does not depend on ho
 ``run`` returns, for each parameter, its local shard of
 ``orthogonalize_stack(full_direction.to(bf16)[None], spec)[0]``.
 
+**Row normalization** (NorMuon, a spec with ``normalization``): each parameter's per-row state
+(fp32) travels as bf16 words with its shards (the group's ``rows`` companion, in the same
+all-to-alls); the owner normalizes its stack of orthogonalized matrices with the rows' states
+(:func:`~muon_plugin.orthogonalize.normuon.normuon_`) before returning the update, and the
+updated states go back to every rank holding those rows. The normalization sees whole
+matrices only, so the update does not depend on the layout either.
+
 **Out dtype**: where the update takes the foreach path (no elementwise Triton kernel), small
 local results come back in the parameter dtype (one cast per stack), so the multi-tensor update
 stays on its single-dtype fast path; the grouped kernel reads bf16 directly.
@@ -29,11 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_plugin.distributed.communicator import Communicator, InFlight, piece, wire_pieces
-from muon_plugin.distributed.planner import ShapeGroup
+from muon_plugin.distributed.communicator import Communicator, InFlight, piece
+from muon_plugin.distributed.planner import ROW_WORDS, ShapeGroup
 from muon_plugin.distributed.schedule import WIRE_DTYPE
 from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
 from muon_plugin.orthogonalize import elementwise_kernels_allowed, get_backend, run_path
+from muon_plugin.orthogonalize.normuon import normuon_
 
 # Shape groups whose gathers are in flight while one group computes.
 GATHERS_AHEAD = 2
@@ -59,29 +67,44 @@ class Executor:
         self._side_turns: Counter[torch.device] = Counter()
 
     def run(
-        self, directions: Sequence[Tensor | None], groups: list[ShapeGroup] | None = None
+        self,
+        directions: Sequence[Tensor | None],
+        groups: list[ShapeGroup] | None = None,
+        rows: Sequence[Tensor | None] | None = None,
     ) -> list[Tensor | None]:
         """Per parameter, the local shard (bf16, shaped like its direction) of the update; of
-        the parameters of ``groups`` only when given (a phase of groups without traffic)."""
+        the parameters of ``groups`` only when given (a phase of groups without traffic).
+
+        ``rows``: per parameter of a group with a row normalization, its local per-row state
+        (fp32, :meth:`MatrixSpec.row_shape <muon_plugin.orthogonalize.MatrixSpec.row_shape>`
+        of its local shard), updated in place; None elsewhere.
+        """
         self.comm.reset_stats()
         out: list[Tensor | None] = [None] * len(directions)
         groups = self.groups if groups is None else groups
+        words = None if rows is None else [None if r is None else row_words(r) for r in rows]
         gathers: list[InFlight | None] = [None] * len(groups)
-        backs: list[tuple[InFlight | None, Any]] = []
+        backs: list[tuple[InFlight | None, Any, Tensor | None]] = []
         launched = 0
         for gi, group in enumerate(groups):
             while launched < len(groups) and launched <= gi + GATHERS_AHEAD:
-                gathers[launched] = self.comm.start_gather(groups[launched], directions)
+                gathers[launched] = self.comm.start_gather(groups[launched], directions, words)
                 launched += 1
             stack = self._assemble(group, directions, gathers[gi])
+            row_stack = self._assemble_rows(group, words, gathers[gi])
             gathers[gi] = None
             result = self._orthogonalize(group, stack)
-            backs.append((self.comm.start_return(group, result), result))
+            if group.back_comm:  # no side stream: the result is ready on this stream
+                result = _normalize(group, result, row_stack)
+            backs.append((self.comm.start_return(group, result, row_stack), result, row_stack))
         for streams in self._side_streams.values():  # the graphs' results are read below
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
-        for group, (back, result) in zip(groups, backs, strict=True):
+        for group, (back, result, row_stack) in zip(groups, backs, strict=True):
+            if not group.back_comm:
+                result = _normalize(group, result, row_stack)
             self._scatter(group, directions, back, result, out)
+            self._scatter_rows(group, words, back, row_stack)
         return out
 
     def _assemble(
@@ -110,9 +133,46 @@ class Executor:
             pending.work.wait()
             shapes = (shape for _, shape, _ in sched.gather_recv)
             for (slot, _, rects), part in zip(
-                sched.gather_recv, wire_pieces(pending.recv, shapes), strict=True
+                sched.gather_recv, pending.pieces(0, shapes), strict=True
             ):
                 assert stack is not None
+                for unit_sl, piece_sl in rects:
+                    dsts.append(stack[slot][unit_sl])
+                    srcs.append(part[piece_sl])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return stack
+
+    def _assemble_rows(
+        self, group: ShapeGroup, words: Sequence[Tensor | None] | None, pending: InFlight | None
+    ) -> Tensor | None:
+        """The per-row states of the units this rank owns, ``(slots, rows, ROW_WORDS)`` bf16
+        words (fp32 bits), from its own and the received pieces; None without a ``rows``
+        companion or owned units. ``pending`` has been waited for by :meth:`_assemble`."""
+        companion = group.rows
+        if companion is None or not companion.schedule.slots:
+            return None
+        if words is None:
+            raise ValueError(
+                f"{group.names[0]!r}: its group normalizes rows, but no per-row state was given"
+            )
+        sched = companion.schedule
+        if sched.direct is not None:
+            return torch.stack([piece(words[group.indices[k]], b) for k, b in sched.direct])
+        stack = torch.empty(
+            (len(sched.slots), *companion.unit_shape), dtype=WIRE_DTYPE, device=group.device
+        )
+        dsts, srcs = [], []
+        for slot, k, local_b, rects in sched.gather_self:
+            part = piece(words[group.indices[k]], local_b)
+            for unit_sl, piece_sl in rects:
+                dsts.append(stack[slot][unit_sl])
+                srcs.append(part[piece_sl])
+        if pending is not None:
+            shapes = (shape for _, shape, _ in sched.gather_recv)
+            for (slot, _, rects), part in zip(
+                sched.gather_recv, pending.pieces(1, shapes), strict=True
+            ):
                 for unit_sl, piece_sl in rects:
                     dsts.append(stack[slot][unit_sl])
                     srcs.append(part[piece_sl])
@@ -153,7 +213,7 @@ class Executor:
             runner = get_backend(path.backend).runner(
                 path,
                 group.spec,
-                out_dtype(group),
+                None if group.rows is not None else out_dtype(group),  # see _normalize
                 name=f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)",
                 stream=stream,
                 scratch=True,  # a stack is the pieces (stacked anew) or assembled here
@@ -185,7 +245,7 @@ class Executor:
             single = not group.batch_dims  # one unit per parameter
             shapes = (shape for _, _, shape in sched.back_recv)
             for (k, local_b, _), part in zip(
-                sched.back_recv, wire_pieces(pending.recv, shapes), strict=True
+                sched.back_recv, pending.pieces(0, shapes), strict=True
             ):
                 i = group.indices[k]
                 if single:
@@ -195,6 +255,61 @@ class Executor:
                     srcs.append(part)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+
+    def _scatter_rows(
+        self,
+        group: ShapeGroup,
+        words: Sequence[Tensor | None] | None,
+        pending: InFlight | None,
+        row_stack: Tensor | None,
+    ) -> None:
+        """Copy the updated per-row states into every local state holding those rows."""
+        companion = group.rows
+        if companion is None:
+            return
+        assert words is not None
+        sched = companion.schedule
+        dsts, srcs = [], []
+        for slot, k, local_b, rects in sched.back_self:
+            assert row_stack is not None
+            dest = piece(words[group.indices[k]], local_b)  # type: ignore[arg-type]
+            for unit_sl, piece_sl in rects:
+                dsts.append(dest[piece_sl])
+                srcs.append(row_stack[slot][unit_sl])
+        if pending is not None and sched.back_recv:
+            shapes = (shape for _, _, shape in sched.back_recv)
+            for (k, local_b, _), part in zip(
+                sched.back_recv, pending.pieces(1, shapes), strict=True
+            ):
+                dsts.append(piece(words[group.indices[k]], local_b))  # type: ignore[arg-type]
+                srcs.append(part)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
+def row_words(state: Tensor) -> Tensor:
+    """An fp32 per-row state ``(..., rows)`` as bf16 words ``(..., rows, ROW_WORDS)``: the same
+    memory, so the words travel and are written back bit for bit."""
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"per-row state must be contiguous fp32, got {state.dtype}")
+    return state.view(WIRE_DTYPE).view(*state.shape, ROW_WORDS)
+
+
+def _normalize(group: ShapeGroup, result: Any, row_stack: Tensor | None) -> Any:
+    """The owner's stack of updates after the row normalization (``result`` unchanged without
+    one). The runner returned bf16 for such a group; the normalization rounds its updates to
+    bf16 and then casts them to the group's out dtype."""
+    if group.rows is None or result is None:
+        return result
+    assert row_stack is not None
+    states = row_stack.view(torch.float32).squeeze(-1)  # (slots, rows), fp32, in place
+    dtype = out_dtype(group)
+    if isinstance(result, Tensor):
+        return normuon_(result, states, group.spec, dtype)
+    return [
+        normuon_(r[None], states[s : s + 1], group.spec, dtype)[0] for s, r in enumerate(result)
+    ]
 
 
 def out_dtype(group: ShapeGroup) -> torch.dtype | None:

@@ -1,0 +1,93 @@
+"""NorMuon's row normalization (arXiv:2510.05491) of a stack of orthogonalized matrices.
+
+The stage runs where a whole matrix is: on the rank that orthogonalized it, between the
+orthogonalization and the update. For each matrix ``O`` of a stack (``m x n``, already scaled by
+the learning-rate shape factor ``s`` of its row block, as :func:`~muon_plugin.orthogonalize.
+spec.run_stack` returns it), with the per-row second moment ``v`` (``m`` floats, fp32):
+
+1. ``q_r = mean_c (O_rc / s)^2``: the mean square of row ``r`` of the unscaled update;
+2. ``v_r <- beta2 * v_r + (1 - beta2) * q_r`` (no bias correction);
+3. ``d_r = 1 / (sqrt(v_r) + eps)``: row ``r`` of the normalized update ``O^ = (O / s) * d``;
+4. per row block (one unless ``split_sizes``): ``U = c * s * O^ / ||O^||_F``, where ``c`` is
+   ``||O / s||_F`` (``"frobenius"``: the norm of Muon's update is kept) or ``sqrt(min(rows,
+   cols))`` (``"rms"``: the norm of an exactly orthogonal matrix; with ``lr_adjust =
+   "match_rms_adamw"`` the update RMS is 0.2, the paper's step 4).
+
+So ``U_r = O_r * d_r * c / ||O^||_F``: one pass over ``O`` for the row sums of squares, vector
+math on ``m`` floats, and one scaling pass; ``||O^||_F^2 = n * sum_r d_r^2 q_r`` needs no second
+pass. The rows are dim -2 of each matrix as stored (a ``torch.nn.Linear`` weight's output
+features; each expert's matrix of a 3-D stack; a flattened parameter's dim 0). ``v`` is kept in
+the unscaled units of the paper, so it does not depend on ``lr_adjust``. A matrix whose
+normalized update is zero (a zero gradient) gets a zero update, not ``0/0``.
+
+The scaling computes in fp32 and rounds the update to bf16 (the dtype every orthogonalized
+update has, whatever the layout), so the result of a matrix depends only on its own data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from muon_plugin.orthogonalize.coefficients import lr_shape_factor
+from muon_plugin.orthogonalize.spec import MatrixSpec
+
+__all__ = ["normuon_"]
+
+
+def normuon_(
+    O: Tensor, v: Tensor, spec: MatrixSpec, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """NorMuon on a stack ``O`` (``(S, *shape)``: orthogonalized parameters or matrices of
+    ``spec``, bf16) with their second moments ``v`` (``(S, *spec.row_shape(shape))``, fp32,
+    contiguous, updated in place).
+
+    Returns the updates in ``O``'s shape: bf16 values, in ``out_dtype`` when given. ``O`` (a
+    contiguous bf16 scratch stack) may be overwritten and returned.
+    """
+    norm = spec.normalization
+    if norm is None:
+        raise ValueError("normuon_ needs a spec with a normalization")
+    batch, m, n = spec.matrix_view(tuple(O.shape[1:]))
+    stack = O.shape[0] * batch
+    if v.numel() != stack * m or v.dtype != torch.float32 or not v.is_contiguous():
+        raise ValueError(
+            f"second moments of shape {tuple(v.shape)} ({v.dtype}) for {stack} matrices of "
+            f"{m} rows (expected contiguous fp32)"
+        )
+    v = v.view(stack, m)
+    X = O.reshape(stack, m, n)
+    q = X.float().square().sum(-1)  # ||O_r||^2, then (below) the unscaled mean square q_r
+    blocks = _blocks(spec, m, n)
+    for start, size, factor in blocks:
+        q[:, start : start + size] *= 1.0 / (n * factor * factor)
+    v.lerp_(q, 1.0 - norm.beta2)
+    d = v.sqrt().add_(norm.eps).reciprocal_()
+    hat = d.square().mul_(q)  # d_r^2 q_r: row r's share of ||O^||_F^2 / n
+    for start, size, _ in blocks:
+        rows = slice(start, start + size)
+        hat_norm = hat[:, rows].sum(-1, keepdim=True)
+        if norm.rescale == "frobenius":
+            target = q[:, rows].sum(-1, keepdim=True)
+        else:
+            target = torch.full_like(hat_norm, min(size, n) / n)
+        # A zero matrix (zero gradient) gets a zero update; NaN stays NaN (skip_nonfinite).
+        gain = torch.where(hat_norm == 0, 0.0, target / hat_norm).sqrt_()
+        d[:, rows] *= gain
+    if not (X.dtype == torch.bfloat16 and X.is_contiguous()):
+        X = X.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    X.mul_(d.unsqueeze(-1))  # computed in fp32, rounded to bf16
+    out = X.reshape(O.shape)
+    return out if out_dtype in (None, torch.bfloat16) else out.to(out_dtype)
+
+
+def _blocks(spec: MatrixSpec, m: int, n: int) -> list[tuple[int, int, float]]:
+    """``(first row, rows, lr shape factor)`` of each row block of an ``m x n`` matrix."""
+    out, start = [], 0
+    for size in spec.split_sizes or (m,):
+        out.append((start, size, lr_shape_factor(size, n, spec.lr_adjust)))
+        start += size
+    if start != m:
+        raise ValueError(f"split_sizes {spec.split_sizes} do not add up to {m} rows")
+    return out
+
