@@ -337,3 +337,36 @@ def test_a_muon_checkpoint_starts_normuon_from_a_zero_second_moment():
     fresh.step()
     assert torch.equal(p, q)
     assert torch.equal(switched.state[p][ROW_STATE_KEY], fresh.state[q][ROW_STATE_KEY])
+
+
+# ---------------------------------------------------------------------- the plan report
+
+
+def test_plan_report_counts_the_second_moments_bytes():
+    """fp32 per-row state: 4 bytes a row on every rank holding part of the row; its traffic
+    is part of the group's (from row shards to the owner and back; from a column-sharded
+    matrix's owner, which holds every row, back to the other ranks' copies)."""
+    from muon_plugin.distributed.plan import simulate_plan
+    from muon_plugin.distributed.report import format_report
+    from torch.distributed.tensor import Shard
+
+    norm = MatrixSpec(normalization=RowNormalization(0.95, 1e-8, "frobenius"))
+    plain = MatrixSpec()
+    entries = [
+        ((32, 16), (4,), (Shard(0),), norm),
+        ((32, 16), (4,), (Shard(1),), norm),
+        ((32, 16), (4,), (Shard(0),), plain),
+    ]
+    rows = simulate_plan(entries).report()
+    rows_fsdp, rows_tp, rows_plain = rows
+    assert rows_fsdp["normalization"] == "normuon" and rows_plain["normalization"] == "none"
+    assert rows_fsdp["row_state_bytes_per_rank"] == [8 * 4] * 4
+    assert rows_tp["row_state_bytes_per_rank"] == [32 * 4] * 4
+    assert sum(rows_fsdp["row_send_bytes_per_rank"]) == 2 * 3 * 8 * 4  # to the owner and back
+    assert sum(rows_tp["row_send_bytes_per_rank"]) == 3 * 32 * 4  # back to the other copies
+    assert rows_plain["row_state_bytes_per_rank"] == [0] * 4
+    # The sent bytes include the rows' (a matrix of the same shape without them: less).
+    extra = sum(rows_fsdp["send_bytes_per_rank"]) - sum(rows_plain["send_bytes_per_rank"])
+    assert extra == sum(rows_fsdp["row_send_bytes_per_rank"])
+    text = format_report(rows)
+    assert "+ normuon" in text and "normuon second moments: 2 group(s)" in text, text
