@@ -370,3 +370,51 @@ def test_plan_report_counts_the_second_moments_bytes():
     assert extra == sum(rows_fsdp["row_send_bytes_per_rank"])
     text = format_report(rows)
     assert "+ normuon" in text and "normuon second moments: 2 group(s)" in text, text
+
+
+# ---------------------------------------------------------------------- with other features
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int4"])
+def test_muonlp_keeps_the_second_moments_in_fp32(state_dtype):
+    """MuonLP quantizes the momentum only; NorMuon's second moments (m floats a matrix) stay
+    fp32. The first step (exact momentum) is MuonForeach's, second moments included."""
+    from muon_plugin import MuonLP
+
+    shape = (2, 32, 256)  # int4 blocks need a last dim that is a multiple of 256
+    gen = torch.Generator().manual_seed(10)
+    init, g = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    ps = [torch.nn.Parameter(init.clone()) for _ in range(2)]
+    kw = dict(lr=0.02, normalization="normuon")
+    lp = MuonLP([("experts", ps[0])], state_dtype=state_dtype, **kw)
+    ref = MuonForeach([("experts", ps[1])], **kw)
+    for p, opt in zip(ps, (lp, ref), strict=True):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(ps[0], ps[1])
+    assert torch.equal(lp.state[ps[0]][ROW_STATE_KEY], ref.state[ps[1]][ROW_STATE_KEY])
+    saved = copy.deepcopy(lp.state_dict())
+    again = MuonLP([("experts", ps[0])], state_dtype=state_dtype, **kw)
+    again.load_state_dict(saved)
+    state = again.state[ps[0]][ROW_STATE_KEY]
+    assert state.dtype == torch.float32 and torch.equal(state, lp.state[ps[0]][ROW_STATE_KEY])
+
+
+@pytest.mark.parametrize("driver", [Muon, MuonForeach])
+def test_skip_nonfinite_keeps_the_second_moment_of_a_skipped_matrix(driver):
+    gen = torch.Generator().manual_seed(11)
+    ps = [torch.nn.Parameter(torch.randn(8, 12, generator=gen)) for _ in range(2)]
+    opt = driver(ps, lr=0.02, normalization="normuon", skip_nonfinite=True)
+    for p in ps:
+        p.grad = torch.randn(8, 12, generator=gen)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    second = [opt.state[p][ROW_STATE_KEY].clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn(8, 12, generator=gen)
+    ps[0].grad[3, 4] = float("nan")
+    opt.step()
+    assert opt.skipped_updates == 1
+    assert torch.equal(ps[0], before[0]) and not torch.equal(ps[1], before[1])
+    assert torch.equal(opt.state[ps[0]][ROW_STATE_KEY], second[0])
+    assert not torch.equal(opt.state[ps[1]][ROW_STATE_KEY], second[1])

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from muon_plugin.orthogonalize.coefficients import lr_shape_factor
-from muon_plugin.orthogonalize.spec import MatrixSpec
+from muon_plugin.orthogonalize.spec import MatrixSpec, RowNormalization
 
-__all__ = ["normuon_"]
+__all__ = ["normuon_", "row_factors_"]
 
 
 def normuon_(
@@ -57,28 +57,45 @@ def normuon_(
         )
     v = v.view(stack, m)
     X = O.reshape(stack, m, n)
-    q = X.float().square().sum(-1)  # ||O_r||^2, then (below) the unscaled mean square q_r
-    blocks = _blocks(spec, m, n)
+    if not (X.dtype == torch.bfloat16 and X.is_contiguous()):
+        X = X.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    # ||O_r||^2: one pass over the bf16 stack, accumulated in fp32 (no fp32 copy of it).
+    sum_sq = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
+    factors = row_factors_(sum_sq, v, _blocks(spec, m, n), n, norm)
+    X.mul_(factors.unsqueeze(-1))  # computed in fp32, rounded to bf16 once
+    out = X.reshape(O.shape)
+    return out if out_dtype in (None, torch.bfloat16) else out.to(out_dtype)
+
+
+def row_factors_(
+    sum_sq: Tensor,
+    v: Tensor,
+    blocks: list[tuple[int, int, float]],
+    cols: int,
+    norm: RowNormalization,
+) -> Tensor:
+    """Steps 1-4 on the rows' sums of squares ``||O_r||^2`` (``(S, m)``, fp32, overwritten):
+    update ``v`` in place and return each row's factor ``d_r * c / ||O^||_F`` (``(S, m)``).
+
+    ``blocks``: ``(first row, rows, lr shape factor)`` of each row block.
+    """
+    q = sum_sq
     for start, size, factor in blocks:
-        q[:, start : start + size] *= 1.0 / (n * factor * factor)
+        q[:, start : start + size] *= 1.0 / (cols * factor * factor)  # mean square of O / s
     v.lerp_(q, 1.0 - norm.beta2)
     d = v.sqrt().add_(norm.eps).reciprocal_()
-    hat = d.square().mul_(q)  # d_r^2 q_r: row r's share of ||O^||_F^2 / n
+    hat = d.square().mul_(q)  # d_r^2 q_r: row r's share of ||O^||_F^2 / cols
     for start, size, _ in blocks:
         rows = slice(start, start + size)
         hat_norm = hat[:, rows].sum(-1, keepdim=True)
         if norm.rescale == "frobenius":
             target = q[:, rows].sum(-1, keepdim=True)
         else:
-            target = torch.full_like(hat_norm, min(size, n) / n)
+            target = torch.full_like(hat_norm, min(size, cols) / cols)
         # A zero matrix (zero gradient) gets a zero update; NaN stays NaN (skip_nonfinite).
         gain = torch.where(hat_norm == 0, 0.0, target / hat_norm).sqrt_()
         d[:, rows] *= gain
-    if not (X.dtype == torch.bfloat16 and X.is_contiguous()):
-        X = X.to(torch.bfloat16, memory_format=torch.contiguous_format)
-    X.mul_(d.unsqueeze(-1))  # computed in fp32, rounded to bf16
-    out = X.reshape(O.shape)
-    return out if out_dtype in (None, torch.bfloat16) else out.to(out_dtype)
+    return d
 
 
 def _blocks(spec: MatrixSpec, m: int, n: int) -> list[tuple[int, int, float]]:
