@@ -6,7 +6,8 @@ Three stages, each over lists:
 2. :func:`orthogonalize`: hand the directions to a plan (:class:`Orthogonalizer`, built by
    :func:`muon_plugin.distributed.plan.plan_orthogonalization`), which assembles whole matrices
    from shards, orthogonalizes them and returns the local shards of the updates;
-3. :func:`decay_and_update_`: decoupled (cautious) weight decay, then ``p -= lr * u``.
+3. :func:`decay_and_update_`: decoupled (cautious) weight decay, then ``p -= lr * u`` (for a
+   NorMuon parameter, ``u`` is the orthogonalized update times its rows' factors).
 
 :func:`muon` runs the three for the Muon parameters of a step, group by group (one
 :class:`GroupSettings` per group), all matrices through one plan. With ``foreach`` each group's
@@ -39,13 +40,15 @@ from muon_plugin.kernels.elementwise import (
     grouped_momentum,
     kernel_groups,
 )
+from muon_plugin.orthogonalize.normuon import scale_rows
 
 
 class Orthogonalizer(Protocol):
     """What stage 2 needs of a plan: local directions in, local updates out (same order).
 
     A plan whose specs normalize rows (NorMuon) also takes ``rows=``, the parameters' local
-    per-row states (see :meth:`muon_plugin.distributed.plan.OrthogonalizationPlan.run`)."""
+    per-row states, and ``factors=``, a list it fills with their rows' factors (see
+    :meth:`muon_plugin.distributed.plan.OrthogonalizationPlan.run`)."""
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]: ...
 
@@ -128,16 +131,18 @@ def orthogonalize(
     directions: Sequence[Tensor],
     plan: Orthogonalizer,
     rows: Sequence[Tensor | None] | None = None,
+    factors: list[Tensor | None] | None = None,
 ) -> list[Tensor]:
     """Stage 2: the local shards of the orthogonalized, lr-shape-scaled updates.
 
     The plan owns the matrices' assembly from shards, their orthogonalization, the lr shape
     factor and, for specs that ask for it, NorMuon's row normalization with the per-row states
-    ``rows`` (updated in place); ``directions`` must be in the order the plan was built for.
+    ``rows`` (updated in place), whose rows' factors it puts into ``factors``;
+    ``directions`` must be in the order the plan was built for.
     """
     if rows is None:
         return plan.run(directions)
-    return plan.run(directions, rows=rows)  # type: ignore[call-arg]
+    return plan.run(directions, rows=rows, factors=factors)  # type: ignore[call-arg]
 
 
 def decay_and_update_(
@@ -147,23 +152,35 @@ def decay_and_update_(
     weight_decay: float,
     cautious: bool,
     kernels: bool | None = None,
+    factors: Sequence[Tensor] | None = None,
 ) -> None:
     """Stage 3: decay ``p`` by ``lr*wd`` (only where update and ``p`` agree in sign if
     cautious), then ``p -= lr * u``.
 
     Weight decay is decoupled and uses the group ``lr``; any shape-dependent learning-rate
-    factor is already folded into ``updates``. Every op rounds to the parameter dtype, on both
-    paths.
+    factor is already folded into ``updates``. With ``factors`` (NorMuon: per parameter, its
+    local rows' factors, fp32), ``u`` is ``update * factor`` row by row, in fp32. Every op
+    rounds to the parameter dtype, on both paths.
     """
+    if factors is not None and len(factors) != len(params):
+        raise ValueError(f"{len(factors)} row factors for {len(params)} parameters")
     groups, rest = kernel_groups(params, updates, enabled=kernels)
     for idx in groups:
         grouped_decay_update(
-            [params[i] for i in idx], [updates[i] for i in idx], lr, weight_decay, cautious
+            [params[i] for i in idx],
+            [updates[i] for i in idx],
+            lr,
+            weight_decay,
+            cautious,
+            None if factors is None else [factors[i] for i in idx],
         )
     if not rest:
         return
     ps = [params[i] for i in rest]
-    us = [updates[i] for i in rest]
+    if factors is None:
+        us = [updates[i] for i in rest]
+    else:
+        us = [scale_rows(updates[i], factors[i]) for i in rest]
     if weight_decay != 0.0 and lr != 0.0:
         if cautious:
             agree = torch._foreach_mul(us, ps)
@@ -286,12 +303,13 @@ class _Step:
             )
             for i, d in zip(idx, out, strict=True):
                 directions[i] = d
+        factors: list[Tensor | None] = [None] * len(params)
         if phase is None:
-            updates = orthogonalize(directions, plan, rows)  # type: ignore[arg-type]
+            updates = orthogonalize(directions, plan, rows, factors)  # type: ignore[arg-type]
         elif rows is None:
             updates = plan.run(directions, phase)  # type: ignore[call-arg]
         else:
-            updates = plan.run(directions, phase, rows=rows)  # type: ignore[call-arg]
+            updates = plan.run(directions, phase, rows=rows, factors=factors)  # type: ignore[call-arg]
         del directions
         bad = nonfinite_updates([updates[i] for i in order]) if self.skip_nonfinite else {}
         skipped = {order[j]: finite for j, finite in bad.items()}
@@ -305,6 +323,7 @@ class _Step:
             row = rows[i]  # type: ignore[index]
             row.copy_(torch.where(torch.isfinite(row), row, state))
         for group, idx in chunks:
+            row_factors = [factors[i] for i in idx]
             decay_and_update_(
                 [params[i] for i in idx],
                 [updates[i] for i in idx],
@@ -312,6 +331,7 @@ class _Step:
                 group.weight_decay,
                 group.cautious,
                 group.kernels,
+                None if row_factors[0] is None else row_factors,  # type: ignore[arg-type]
             )
         for i, finite in skipped.items():
             params[i].copy_(torch.where(finite, params[i], before[i]))

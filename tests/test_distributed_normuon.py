@@ -13,6 +13,7 @@ With ``MUON_TEST_BACKEND=nccl`` the scenarios run on GPUs, where the weights are
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import GPU_UPDATE_RTOL, device_type, exact, run_distributed, update_difference
@@ -32,12 +33,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-import pytest
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.distributed.layout import layout_of
 from muon_plugin.functional import momentum_update_
 from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
-from muon_plugin.orthogonalize.normuon import normuon_
+from muon_plugin.orthogonalize.normuon import normuon_factors_, scale_rows
 from muon_plugin.orthogonalize.spec import RowNormalization
 from muon_plugin.row_state import ROW_STATE_KEY
 
@@ -195,9 +195,7 @@ def scenario_local_shards_would_differ(rank: int, ws: int) -> None:
     matrix (row shards rescaled alone, row statistics of column shards) differs from NorMuon
     on the whole matrix, which the scenarios above find on every rank: so they can fail."""
     mesh = init_device_mesh(device_type(), (ws,))
-    spec = MatrixSpec(
-        lr_adjust="keller", normalization=RowNormalization(0.9, 1e-8, "frobenius")
-    )
+    spec = MatrixSpec(lr_adjust="keller", normalization=RowNormalization(0.9, 1e-8, "frobenius"))
     gen = torch.Generator().manual_seed(27)
     # Rows of very different sizes: what a per-shard rescale or per-shard statistic misses.
     G = torch.randn(16, 24, generator=gen) * torch.rand(16, 1, generator=gen) * 4
@@ -206,18 +204,21 @@ def scenario_local_shards_would_differ(rank: int, ws: int) -> None:
         p = nn.Parameter(distribute_tensor(torch.zeros(16, 24), mesh, [placement]))
         p.grad = distribute_tensor(G, mesh, [placement])
         (direction,) = momentum_update_([G.clone()], [torch.zeros(16, 24)], 0.9, True)
-        O = orthogonalize_stack(direction[None], MatrixSpec(lr_adjust="keller"))
-        whole = normuon_(O.clone(), torch.zeros(1, 16), spec)[0]
-        O_local = local_piece(O[0], p)
-        shard = normuon_(O_local[None].clone(), torch.zeros(1, O_local.shape[0]), spec)[0]
+        ortho = orthogonalize_stack(direction[None], MatrixSpec(lr_adjust="keller"))
+        whole = scale_rows(ortho, normuon_factors_(ortho, torch.zeros(1, 16), spec))[0]
+        local_ortho = local_piece(ortho[0], p)[None]
+        rows = local_ortho.shape[1]
+        shard = scale_rows(local_ortho, normuon_factors_(local_ortho, torch.zeros(1, rows), spec))[
+            0
+        ]
         exact_local = local_piece(whole, p)
-        rel = (shard.float() - exact_local.float()).norm() / exact_local.float().norm()
+        rel = (shard - exact_local).norm() / exact_local.norm()
         worst = torch.maximum(worst, rel)
         # ... while the distributed optimizer's own update is the whole-matrix one.
         opt = MuonForeach([p], lr=1.0, wd=0.0, momentum=0.9, lr_adjust="keller",
                           normalization="normuon", normuon_beta2=0.9)  # fmt: skip
         opt.step()
-        assert torch.equal(-p.to_local(), exact_local.float()), placement
+        assert torch.equal(-p.to_local(), exact_local), placement
         if placement == Shard(1):  # every column shard differs (its rows' statistics)
             assert rel > 0.05, (placement, rel.item())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

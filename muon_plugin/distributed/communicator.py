@@ -5,7 +5,8 @@ domain (:func:`~muon_plugin.distributed.groups.process_group`), lays the group's
 that group's rank order, and per step packs the local pieces into one bf16 buffer per exchange
 and starts one ``all_to_all_single`` (async) for it: shards to their owners, results back.
 A group with a ``rows`` companion (NorMuon's per-row state) carries the rows in the same
-buffers: each peer's segment holds the group's pieces, then the rows' pieces (*parts* 0 and 1).
+buffers: each peer's segment holds the group's pieces, then the rows' pieces (*parts* 0 and 1),
+and on the way back also the rows' factors (part 2).
 Every rank of a domain makes the same calls in the same order, also when it has nothing to send.
 ``stats`` counts this rank's bytes sent/received and collective calls since :meth:`reset_stats`.
 """
@@ -109,19 +110,25 @@ class Communicator:
         return self._all_to_all(group, send, send_splits, [p[1] for p in parts])
 
     def start_return(
-        self, group: ShapeGroup, result: Any, rows_result: Tensor | None = None
+        self,
+        group: ShapeGroup,
+        result: Any,
+        rows_result: Tensor | None = None,
+        factors: Tensor | None = None,
     ) -> InFlight | None:
         """Send the holders of ``group``'s owned units their pieces of ``result`` (and, with
-        ``group.rows``, of the updated per-row state ``rows_result``, the owner's stack)."""
+        ``group.rows``, of the updated per-row states ``rows_result`` and of the rows' factors
+        ``factors``: the owner's stacks, as bf16 words; parts 1 and 2)."""
         if not group.back_comm:
             return None
         sched = group.schedule
         exchanges = [(sched.back_send, sched.back_send_splits, sched.back_recv_splits, result)]
         if group.rows is not None:
             rsched = group.rows.schedule
-            exchanges.append(
-                (rsched.back_send, rsched.back_send_splits, rsched.back_recv_splits, rows_result)
-            )
+            for stack in (rows_result, factors):
+                exchanges.append(
+                    (rsched.back_send, rsched.back_send_splits, rsched.back_recv_splits, stack)
+                )
         send_splits, send_starts = packed_splits([e[1] for e in exchanges])
         send = torch.empty(sum(send_splits), dtype=WIRE_DTYPE, device=group.device)
         dsts, srcs = [], []

@@ -16,10 +16,11 @@ every layout, local ones included, so a parameter's update does not depend on ho
 
 **Row normalization** (NorMuon, a spec with ``normalization``): each parameter's per-row state
 (fp32) travels as bf16 words with its shards (the group's ``rows`` companion, in the same
-all-to-alls); the owner normalizes its stack of orthogonalized matrices with the rows' states
-(:func:`~muon_plugin.orthogonalize.normuon.normuon_`) before returning the update, and the
-updated states go back to every rank holding those rows. The normalization sees whole
-matrices only, so the update does not depend on the layout either.
+all-to-alls); the owner computes the rows' factors of its stack of orthogonalized matrices
+(:func:`~muon_plugin.orthogonalize.normuon.normuon_factors_`), and the updated states and the
+factors go back with the update to every rank holding those rows, where the update step
+multiplies each row by its factor. The factors come from whole matrices only, so the update
+does not depend on the layout either.
 
 **Out dtype**: where the update takes the foreach path (no elementwise Triton kernel), small
 local results come back in the parameter dtype (one cast per stack), so the multi-tensor update
@@ -41,7 +42,7 @@ from muon_plugin.distributed.planner import ROW_WORDS, ShapeGroup
 from muon_plugin.distributed.schedule import WIRE_DTYPE
 from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
 from muon_plugin.orthogonalize import elementwise_kernels_allowed, get_backend, run_path
-from muon_plugin.orthogonalize.normuon import normuon_
+from muon_plugin.orthogonalize.normuon import normuon_factors_
 
 # Shape groups whose gathers are in flight while one group computes.
 GATHERS_AHEAD = 2
@@ -71,20 +72,23 @@ class Executor:
         directions: Sequence[Tensor | None],
         groups: list[ShapeGroup] | None = None,
         rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
     ) -> list[Tensor | None]:
         """Per parameter, the local shard (bf16, shaped like its direction) of the update; of
         the parameters of ``groups`` only when given (a phase of groups without traffic).
 
         ``rows``: per parameter of a group with a row normalization, its local per-row state
         (fp32, :meth:`MatrixSpec.row_shape <muon_plugin.orthogonalize.MatrixSpec.row_shape>`
-        of its local shard), updated in place; None elsewhere.
+        of its local shard), updated in place; None elsewhere. ``factors`` (a list as long as
+        ``directions``) receives, at those parameters' positions, their rows' factors (fp32,
+        shaped like the state): their update is the returned one times these, row by row.
         """
         self.comm.reset_stats()
         out: list[Tensor | None] = [None] * len(directions)
         groups = self.groups if groups is None else groups
         words = None if rows is None else [None if r is None else row_words(r) for r in rows]
         gathers: list[InFlight | None] = [None] * len(groups)
-        backs: list[tuple[InFlight | None, Any, Tensor | None]] = []
+        backs: list[tuple[InFlight | None, Any, Tensor | None, Tensor | None]] = []
         launched = 0
         for gi, group in enumerate(groups):
             while launched < len(groups) and launched <= gi + GATHERS_AHEAD:
@@ -94,17 +98,19 @@ class Executor:
             row_stack = self._assemble_rows(group, words, gathers[gi])
             gathers[gi] = None
             result = self._orthogonalize(group, stack)
+            factor_stack = None
             if group.back_comm:  # no side stream: the result is ready on this stream
-                result = _normalize(group, result, row_stack)
-            backs.append((self.comm.start_return(group, result, row_stack), result, row_stack))
+                factor_stack = _row_factors(group, result, row_stack)
+            back = self.comm.start_return(group, result, row_stack, factor_stack)
+            backs.append((back, result, row_stack, factor_stack))
         for streams in self._side_streams.values():  # the graphs' results are read below
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
-        for group, (back, result, row_stack) in zip(groups, backs, strict=True):
+        for group, (back, result, row_stack, factor_stack) in zip(groups, backs, strict=True):
             if not group.back_comm:
-                result = _normalize(group, result, row_stack)
+                factor_stack = _row_factors(group, result, row_stack)
             self._scatter(group, directions, back, result, out)
-            self._scatter_rows(group, words, back, row_stack)
+            self._scatter_rows(group, words, back, row_stack, factor_stack, factors)
         return out
 
     def _assemble(
@@ -213,7 +219,7 @@ class Executor:
             runner = get_backend(path.backend).runner(
                 path,
                 group.spec,
-                None if group.rows is not None else out_dtype(group),  # see _normalize
+                out_dtype(group),
                 name=f"{size} matrices of shape {group.unit_shape} ({group.names[0]}, ...)",
                 stream=stream,
                 scratch=True,  # a stack is the pieces (stacked anew) or assembled here
@@ -256,60 +262,73 @@ class Executor:
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
-
     def _scatter_rows(
         self,
         group: ShapeGroup,
         words: Sequence[Tensor | None] | None,
         pending: InFlight | None,
         row_stack: Tensor | None,
+        factor_stack: Tensor | None,
+        factors: list[Tensor | None] | None,
     ) -> None:
-        """Copy the updated per-row states into every local state holding those rows."""
+        """Copy the updated per-row states into every local state holding those rows, and the
+        rows' factors into fresh tensors shaped like those states (``factors``)."""
         companion = group.rows
         if companion is None:
             return
-        assert words is not None
+        if words is None or factors is None:
+            raise ValueError(
+                f"{group.names[0]!r}: its group normalizes rows, but no per-row state was given"
+            )
+        shape = group.spec.row_shape(group.local_shape)
+        fresh = torch.empty((len(group.indices), *shape), dtype=torch.float32, device=group.device)
+        factor_words = row_words(fresh).unbind(0)
+        for k, i in enumerate(group.indices):
+            factors[i] = fresh[k]
         sched = companion.schedule
         dsts, srcs = [], []
         for slot, k, local_b, rects in sched.back_self:
-            assert row_stack is not None
-            dest = piece(words[group.indices[k]], local_b)  # type: ignore[arg-type]
+            assert row_stack is not None and factor_stack is not None
+            state = piece(words[group.indices[k]], local_b)  # type: ignore[arg-type]
+            factor = piece(factor_words[k], local_b)
             for unit_sl, piece_sl in rects:
-                dsts.append(dest[piece_sl])
-                srcs.append(row_stack[slot][unit_sl])
+                dsts += [state[piece_sl], factor[piece_sl]]
+                srcs += [row_stack[slot][unit_sl], factor_stack[slot][unit_sl]]
         if pending is not None and sched.back_recv:
-            shapes = (shape for _, _, shape in sched.back_recv)
-            for (k, local_b, _), part in zip(
-                sched.back_recv, pending.pieces(1, shapes), strict=True
-            ):
+            shapes = [shape for _, _, shape in sched.back_recv]
+            received = zip(pending.pieces(1, shapes), pending.pieces(2, shapes), strict=True)
+            for (k, local_b, _), (state, factor) in zip(sched.back_recv, received, strict=True):
                 dsts.append(piece(words[group.indices[k]], local_b))  # type: ignore[arg-type]
-                srcs.append(part)
+                srcs.append(state)
+                dsts.append(piece(factor_words[k], local_b))
+                srcs.append(factor)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
 
 def row_words(state: Tensor) -> Tensor:
-    """An fp32 per-row state ``(..., rows)`` as bf16 words ``(..., rows, ROW_WORDS)``: the same
-    memory, so the words travel and are written back bit for bit."""
+    """An fp32 per-row tensor ``(..., rows)`` as bf16 words ``(..., rows, ROW_WORDS)``: the
+    same memory, so the words travel and are written back bit for bit."""
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"per-row state must be contiguous fp32, got {state.dtype}")
     return state.view(WIRE_DTYPE).view(*state.shape, ROW_WORDS)
 
 
-def _normalize(group: ShapeGroup, result: Any, row_stack: Tensor | None) -> Any:
-    """The owner's stack of updates after the row normalization (``result`` unchanged without
-    one). The runner returned bf16 for such a group; the normalization rounds its updates to
-    bf16 and then casts them to the group's out dtype."""
+def _row_factors(group: ShapeGroup, result: Any, row_stack: Tensor | None) -> Tensor | None:
+    """The owner's rows' factors (``(slots, rows, ROW_WORDS)`` bf16 words of fp32 values) of
+    its stack of orthogonalized matrices, its states ``row_stack`` updated in place; None
+    without a row normalization or owned units."""
     if group.rows is None or result is None:
-        return result
+        return None
     assert row_stack is not None
-    states = row_stack.view(torch.float32).squeeze(-1)  # (slots, rows), fp32, in place
-    dtype = out_dtype(group)
+    states = row_stack.view(torch.float32).squeeze(-1)  # (slots, rows): fp32, in place
     if isinstance(result, Tensor):
-        return normuon_(result, states, group.spec, dtype)
-    return [
-        normuon_(r[None], states[s : s + 1], group.spec, dtype)[0] for s, r in enumerate(result)
-    ]
+        factors = normuon_factors_(result, states, group.spec)
+    else:
+        factors = torch.cat(
+            [normuon_factors_(r[None], states[s : s + 1], group.spec) for s, r in enumerate(result)]
+        )
+    return row_words(factors)
 
 
 def out_dtype(group: ShapeGroup) -> torch.dtype | None:

@@ -231,9 +231,7 @@ def row_placements(placements: tuple[Placement, ...], row_dims: int) -> tuple[Pl
     """The placements of a parameter's per-row state (one entry per row of each matrix: the
     parameter's first ``row_dims`` dims): the parameter's, with the mesh dims that cut a later
     (column) dim replicated, since every rank holding part of a row holds that row's state."""
-    return tuple(
-        p if type(p) is Replicate or p.dim < row_dims else Replicate() for p in placements
-    )
+    return tuple(p if type(p) is Replicate or p.dim < row_dims else Replicate() for p in placements)
 
 
 @cache

@@ -82,6 +82,7 @@ class OrthogonalizationPlan:
         directions: Sequence[Tensor | None],
         phase: int | None = None,
         rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
     ) -> list[Any]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
 
@@ -90,12 +91,14 @@ class OrthogonalizationPlan:
         With ``phase``, only the parameters of ``phases[phase]`` (their directions are read,
         the other entries may be None, and come back None). ``rows``: the local per-row states
         (fp32) of the parameters whose spec normalizes rows (NorMuon), updated in place; None
-        for the others.
+        for the others. ``factors`` (a list as long as ``directions``, needed with ``rows``)
+        receives those parameters' rows' factors: their update is the returned shard times
+        its rows' factors.
         """
         if self.executor is None:
             raise RuntimeError("a simulated plan (simulate_plan) reports but cannot run")
         groups = None if phase is None else self._phase_groups[phase]
-        out = self.executor.run(directions, groups, rows)
+        out = self.executor.run(directions, groups, rows, factors)
         self.last_stats = dict(self.executor.comm.stats)
         return out
 

@@ -153,8 +153,9 @@ def row_group(group: ShapeGroup) -> ShapeGroup:
     (:func:`~muon_plugin.distributed.layout.row_placements`), with ``group``'s units and owners.
 
     Its schedule sends each unit's rows to the owner from one holder and returns the updated
-    rows to every holder, replicas along column shards included; its traffic is added to
-    ``group``'s, whose all-to-alls carry it.
+    rows, and their factors, to every holder, replicas along column shards included; its
+    traffic (the return's twice: states and factors) is added to ``group``'s, whose
+    all-to-alls carry it.
     """
     rows_shape = group.spec.row_shape(group.shape)
     shape = (*rows_shape, ROW_WORDS)
@@ -166,6 +167,8 @@ def row_group(group: ShapeGroup) -> ShapeGroup:
     rows.batch_dims = tuple(range(len(shape) - 2))
     rows.units, rows.owners = group.units, group.owners
     schedule_group(rows, _group_holdings(rows))
+    rows.back_send_bytes = [2 * n for n in rows.back_send_bytes]  # states and factors
+    rows.back_recv_bytes = [2 * n for n in rows.back_recv_bytes]
     for name in ("gather_send_bytes", "gather_recv_bytes", "back_send_bytes", "back_recv_bytes"):
         total = [a + b for a, b in zip(getattr(group, name), getattr(rows, name), strict=True)]
         setattr(group, name, total)

@@ -13,15 +13,17 @@ spec.run_stack` returns it), with the per-row second moment ``v`` (``m`` floats,
    cols))`` (``"rms"``: the norm of an exactly orthogonal matrix; with ``lr_adjust =
    "match_rms_adamw"`` the update RMS is 0.2, the paper's step 4).
 
-So ``U_r = O_r * d_r * c / ||O^||_F``: one pass over ``O`` for the row sums of squares, vector
-math on ``m`` floats, and one scaling pass; ``||O^||_F^2 = n * sum_r d_r^2 q_r`` needs no second
-pass. The rows are dim -2 of each matrix as stored (a ``torch.nn.Linear`` weight's output
+So ``U_r = O_r * f_r`` with ``f_r = d_r * c / ||O^||_F``: one pass over ``O`` for the row sums
+of squares, then vector math on ``m`` floats (``||O^||_F^2 = n * sum_r d_r^2 q_r`` needs no second
+pass). The factors, not ``U``, leave this stage: the update step multiplies each row by its
+factor as it applies the update (one fp32 product, fused into its kernel on GPUs), so no pass
+writes ``U``. The rows are dim -2 of each matrix as stored (a ``torch.nn.Linear`` weight's output
 features; each expert's matrix of a 3-D stack; a flattened parameter's dim 0). ``v`` is kept in
 the unscaled units of the paper, so it does not depend on ``lr_adjust``. A matrix whose
 normalized update is zero (a zero gradient) gets a zero update, not ``0/0``.
 
-The scaling computes in fp32 and rounds the update to bf16 (the dtype every orthogonalized
-update has, whatever the layout), so the result of a matrix depends only on its own data.
+Every statistic of a matrix is reduced over that matrix alone, so its factors depend only on
+its own data, not on the stack it is in or the layout of its parameter.
 """
 
 from __future__ import annotations
@@ -32,39 +34,39 @@ from torch import Tensor
 from muon_plugin.orthogonalize.coefficients import lr_shape_factor
 from muon_plugin.orthogonalize.spec import MatrixSpec, RowNormalization
 
-__all__ = ["normuon_", "row_factors_"]
+__all__ = ["normuon_factors_", "row_factors_", "scale_rows"]
 
 
-def normuon_(
-    O: Tensor, v: Tensor, spec: MatrixSpec, out_dtype: torch.dtype | None = None
-) -> Tensor:
-    """NorMuon on a stack ``O`` (``(S, *shape)``: orthogonalized parameters or matrices of
-    ``spec``, bf16) with their second moments ``v`` (``(S, *spec.row_shape(shape))``, fp32,
-    contiguous, updated in place).
+def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec) -> Tensor:
+    """NorMuon's per-row factors for a stack ``ortho`` (``(S, *shape)``: orthogonalized parameters
+    or matrices of ``spec``, bf16 values) with their second moments ``v`` (``(S,
+    *spec.row_shape(shape))``, fp32, contiguous, updated in place).
 
-    Returns the updates in ``O``'s shape: bf16 values, in ``out_dtype`` when given. ``O`` (a
-    contiguous bf16 scratch stack) may be overwritten and returned.
+    Returns the factors ``f`` (fp32, ``v``'s shape): the update is ``ortho * f`` per row
+    (:func:`scale_rows`), which the optimizer's update step applies (fused into its kernel on
+    GPUs), so ``ortho`` itself is only read, once.
     """
     norm = spec.normalization
     if norm is None:
-        raise ValueError("normuon_ needs a spec with a normalization")
-    batch, m, n = spec.matrix_view(tuple(O.shape[1:]))
-    stack = O.shape[0] * batch
+        raise ValueError("normuon_factors_ needs a spec with a normalization")
+    batch, m, n = spec.matrix_view(tuple(ortho.shape[1:]))
+    stack = ortho.shape[0] * batch
     if v.numel() != stack * m or v.dtype != torch.float32 or not v.is_contiguous():
         raise ValueError(
             f"second moments of shape {tuple(v.shape)} ({v.dtype}) for {stack} matrices of "
             f"{m} rows (expected contiguous fp32)"
         )
-    v = v.view(stack, m)
-    X = O.reshape(stack, m, n)
-    if not (X.dtype == torch.bfloat16 and X.is_contiguous()):
-        X = X.to(torch.bfloat16, memory_format=torch.contiguous_format)
-    # ||O_r||^2: one pass over the bf16 stack, accumulated in fp32 (no fp32 copy of it).
+    X = ortho.reshape(stack, m, n)
+    # ||O_r||^2: one pass over the stack, accumulated in fp32 (no fp32 copy of it).
     sum_sq = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
-    factors = row_factors_(sum_sq, v, _blocks(spec, m, n), n, norm)
-    X.mul_(factors.unsqueeze(-1))  # computed in fp32, rounded to bf16 once
-    out = X.reshape(O.shape)
-    return out if out_dtype in (None, torch.bfloat16) else out.to(out_dtype)
+    factors = row_factors_(sum_sq, v.view(stack, m), _blocks(spec, m, n), n, norm)
+    return factors.view(v.shape)
+
+
+def scale_rows(U: Tensor, factors: Tensor) -> Tensor:
+    """``U * f`` per row in fp32: ``U`` (``(..., rows, ...)``) times ``factors`` (the leading
+    ``factors.dim()`` dims of ``U``, broadcast over the rest)."""
+    return U.float() * factors.view(*factors.shape, *([1] * (U.dim() - factors.dim())))
 
 
 def row_factors_(
@@ -107,4 +109,3 @@ def _blocks(spec: MatrixSpec, m: int, n: int) -> list[tuple[int, int, float]]:
     if start != m:
         raise ValueError(f"split_sizes {spec.split_sizes} do not add up to {m} rows")
     return out
-
