@@ -74,6 +74,7 @@ def test_benchmark_quick_cpu(tmp_path):
     for required in (
         "MuonForeach (polar_express)",
         "MuonForeach (newton_schulz)",
+        "MuonForeach (NorMuon)",
         "Muon (per-parameter)",
         "naive reference Muon",
         "AdamW(fused=True)",
@@ -84,7 +85,7 @@ def test_benchmark_quick_cpu(tmp_path):
     workloads = {r["workload"] for r in step}
     assert len(workloads) == 3, workloads  # Llama and GPT-125M in fp32, Llama in bf16
     bf16 = {r["name"] for r in step if r["workload"].endswith(" bf16")}
-    assert {"MuonForeach (polar_express)", "AdamW(fused=True)"} <= bf16, bf16
+    assert {"MuonForeach (polar_express)", "MuonForeach (NorMuon)", "AdamW(fused=True)"} <= bf16
 
     ortho = [r for r in rows if r.get("section") == "ortho" and "ms" in r]
     assert {r["name"] for r in ortho} >= {
@@ -104,6 +105,8 @@ def test_benchmark_quick_cpu(tmp_path):
     # One fp32 momentum buffer for Muon, two fp32 moments for AdamW (fp32 params).
     assert abs(by_name["MuonForeach (polar_express)"] - 4.0) < 0.1
     assert abs(by_name["AdamW(fused=True)"] - 8.0) < 0.1
+    # NorMuon: the momentum plus one fp32 second moment per row
+    assert 4.0 < by_name["MuonForeach (NorMuon)"] < 4.1
 
 
 def test_results_written_only_with_results_option(tmp_path):
