@@ -14,7 +14,7 @@ Every rank of a domain makes the same calls in the same order, also when it has 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,11 +75,11 @@ class Communicator:
         self,
         group: ShapeGroup,
         directions: Sequence[Tensor],
-        rows: Sequence[Tensor | None] | None = None,
+        rows: Mapping[int, Tensor] | None = None,
     ) -> InFlight | None:
         """Send this rank's shards of ``group``'s units to their owners (None: no traffic);
-        with ``group.rows``, each unit's per-row state too (``rows``: per parameter, its local
-        state as bf16 words ``(..., rows, ROW_WORDS)``)."""
+        with ``group.rows``, each unit's per-row state too (``rows``: by parameter position, its
+        local state as bf16 words ``(..., rows, ROW_WORDS)``)."""
         if not group.gather_comm:
             return None
         sched = group.schedule
@@ -161,7 +161,7 @@ class Communicator:
         return InFlight(work, send, recv, list(zip(recv_parts, recv_starts, strict=True)))
 
 
-def _rows_schedule(group: ShapeGroup, rows: Sequence[Tensor | None] | None) -> Any:
+def _rows_schedule(group: ShapeGroup, rows: Mapping[int, Tensor] | None) -> Any:
     if rows is None:
         raise ValueError(
             f"{group.names[0]!r}: its group normalizes rows, but no per-row state was given"

@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from muon_plugin.distributed.communicator import Communicator, InFlight, piece
-from muon_plugin.distributed.planner import ROW_WORDS, ShapeGroup
+from muon_plugin.distributed.planner import ShapeGroup
+from muon_plugin.distributed.rows import RowStates, row_factors, row_words
 from muon_plugin.distributed.schedule import WIRE_DTYPE
 from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
 from muon_plugin.orthogonalize import elementwise_kernels_allowed, get_backend, run_path
-from muon_plugin.orthogonalize.normuon import normuon_factors_
 
 # Shape groups whose gathers are in flight while one group computes.
 GATHERS_AHEAD = 2
@@ -86,31 +86,48 @@ class Executor:
         self.comm.reset_stats()
         out: list[Tensor | None] = [None] * len(directions)
         groups = self.groups if groups is None else groups
-        words = None if rows is None else [None if r is None else row_words(r) for r in rows]
+        normalized = [g for g in groups if g.rows is not None]
+        if normalized and (rows is None or factors is None):
+            raise ValueError(
+                f"{normalized[0].names[0]!r}: its group normalizes rows, but no per-row state "
+                "was given"
+            )
+        states = None if rows is None else RowStates(rows, factors)  # type: ignore[arg-type]
+        words = {id(g): states.words(g) for g in normalized} if states is not None else {}
         gathers: list[InFlight | None] = [None] * len(groups)
         backs: list[tuple[InFlight | None, Any, Tensor | None, Tensor | None]] = []
         launched = 0
         for gi, group in enumerate(groups):
             while launched < len(groups) and launched <= gi + GATHERS_AHEAD:
-                gathers[launched] = self.comm.start_gather(groups[launched], directions, words)
+                later = groups[launched]
+                gathers[launched] = self.comm.start_gather(later, directions, words.get(id(later)))
                 launched += 1
             stack = self._assemble(group, directions, gathers[gi])
-            row_stack = self._assemble_rows(group, words, gathers[gi])
+            row_stack = None
+            if states is not None:
+                row_stack = states.assemble(group, words.get(id(group), {}), gathers[gi])
             gathers[gi] = None
             result = self._orthogonalize(group, stack)
             factor_stack = None
             if group.back_comm:  # no side stream: the result is ready on this stream
-                factor_stack = _row_factors(group, result, row_stack)
-            back = self.comm.start_return(group, result, row_stack, factor_stack)
+                factor_stack = row_factors(group, result, row_stack)
+            back = self.comm.start_return(
+                group,
+                result,
+                None if row_stack is None else row_words(row_stack),
+                None if factor_stack is None else row_words(factor_stack),
+            )
             backs.append((back, result, row_stack, factor_stack))
         for streams in self._side_streams.values():  # the graphs' results are read below
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
         for group, (back, result, row_stack, factor_stack) in zip(groups, backs, strict=True):
             if not group.back_comm:
-                factor_stack = _row_factors(group, result, row_stack)
+                factor_stack = row_factors(group, result, row_stack)
             self._scatter(group, directions, back, result, out)
-            self._scatter_rows(group, words, back, row_stack, factor_stack, factors)
+            if states is not None:
+                group_words = words.get(id(group), {})
+                states.scatter(group, group_words, back, row_stack, factor_stack)
         return out
 
     def _assemble(
@@ -142,43 +159,6 @@ class Executor:
                 sched.gather_recv, pending.pieces(0, shapes), strict=True
             ):
                 assert stack is not None
-                for unit_sl, piece_sl in rects:
-                    dsts.append(stack[slot][unit_sl])
-                    srcs.append(part[piece_sl])
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return stack
-
-    def _assemble_rows(
-        self, group: ShapeGroup, words: Sequence[Tensor | None] | None, pending: InFlight | None
-    ) -> Tensor | None:
-        """The per-row states of the units this rank owns, ``(slots, rows, ROW_WORDS)`` bf16
-        words (fp32 bits), from its own and the received pieces; None without a ``rows``
-        companion or owned units. ``pending`` has been waited for by :meth:`_assemble`."""
-        companion = group.rows
-        if companion is None or not companion.schedule.slots:
-            return None
-        if words is None:
-            raise ValueError(
-                f"{group.names[0]!r}: its group normalizes rows, but no per-row state was given"
-            )
-        sched = companion.schedule
-        if sched.direct is not None:
-            return torch.stack([piece(words[group.indices[k]], b) for k, b in sched.direct])
-        stack = torch.empty(
-            (len(sched.slots), *companion.unit_shape), dtype=WIRE_DTYPE, device=group.device
-        )
-        dsts, srcs = [], []
-        for slot, k, local_b, rects in sched.gather_self:
-            part = piece(words[group.indices[k]], local_b)
-            for unit_sl, piece_sl in rects:
-                dsts.append(stack[slot][unit_sl])
-                srcs.append(part[piece_sl])
-        if pending is not None:
-            shapes = (shape for _, shape, _ in sched.gather_recv)
-            for (slot, _, rects), part in zip(
-                sched.gather_recv, pending.pieces(1, shapes), strict=True
-            ):
                 for unit_sl, piece_sl in rects:
                     dsts.append(stack[slot][unit_sl])
                     srcs.append(part[piece_sl])
@@ -261,74 +241,6 @@ class Executor:
                     srcs.append(part)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-
-    def _scatter_rows(
-        self,
-        group: ShapeGroup,
-        words: Sequence[Tensor | None] | None,
-        pending: InFlight | None,
-        row_stack: Tensor | None,
-        factor_stack: Tensor | None,
-        factors: list[Tensor | None] | None,
-    ) -> None:
-        """Copy the updated per-row states into every local state holding those rows, and the
-        rows' factors into fresh tensors shaped like those states (``factors``)."""
-        companion = group.rows
-        if companion is None:
-            return
-        if words is None or factors is None:
-            raise ValueError(
-                f"{group.names[0]!r}: its group normalizes rows, but no per-row state was given"
-            )
-        shape = group.spec.row_shape(group.local_shape)
-        fresh = torch.empty((len(group.indices), *shape), dtype=torch.float32, device=group.device)
-        factor_words = row_words(fresh).unbind(0)
-        for k, i in enumerate(group.indices):
-            factors[i] = fresh[k]
-        sched = companion.schedule
-        dsts, srcs = [], []
-        for slot, k, local_b, rects in sched.back_self:
-            assert row_stack is not None and factor_stack is not None
-            state = piece(words[group.indices[k]], local_b)  # type: ignore[arg-type]
-            factor = piece(factor_words[k], local_b)
-            for unit_sl, piece_sl in rects:
-                dsts += [state[piece_sl], factor[piece_sl]]
-                srcs += [row_stack[slot][unit_sl], factor_stack[slot][unit_sl]]
-        if pending is not None and sched.back_recv:
-            shapes = [shape for _, _, shape in sched.back_recv]
-            received = zip(pending.pieces(1, shapes), pending.pieces(2, shapes), strict=True)
-            for (k, local_b, _), (state, factor) in zip(sched.back_recv, received, strict=True):
-                dsts.append(piece(words[group.indices[k]], local_b))  # type: ignore[arg-type]
-                srcs.append(state)
-                dsts.append(piece(factor_words[k], local_b))
-                srcs.append(factor)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-
-
-def row_words(state: Tensor) -> Tensor:
-    """An fp32 per-row tensor ``(..., rows)`` as bf16 words ``(..., rows, ROW_WORDS)``: the
-    same memory, so the words travel and are written back bit for bit."""
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"per-row state must be contiguous fp32, got {state.dtype}")
-    return state.view(WIRE_DTYPE).view(*state.shape, ROW_WORDS)
-
-
-def _row_factors(group: ShapeGroup, result: Any, row_stack: Tensor | None) -> Tensor | None:
-    """The owner's rows' factors (``(slots, rows, ROW_WORDS)`` bf16 words of fp32 values) of
-    its stack of orthogonalized matrices, its states ``row_stack`` updated in place; None
-    without a row normalization or owned units."""
-    if group.rows is None or result is None:
-        return None
-    assert row_stack is not None
-    states = row_stack.view(torch.float32).squeeze(-1)  # (slots, rows): fp32, in place
-    if isinstance(result, Tensor):
-        factors = normuon_factors_(result, states, group.spec)
-    else:
-        factors = torch.cat(
-            [normuon_factors_(r[None], states[s : s + 1], group.spec) for s, r in enumerate(result)]
-        )
-    return row_words(factors)
 
 
 def out_dtype(group: ShapeGroup) -> torch.dtype | None:

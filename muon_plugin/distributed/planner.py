@@ -84,6 +84,9 @@ class ShapeGroup:
     back_comm: bool = False
     path: ResolvedPath | None = None  # how this rank orthogonalizes its stack of the group
     rows: ShapeGroup | None = None  # the per-row state's companion (NorMuon), see row_group
+    # A rows companion without traffic: per parameter, (first slot, slots) of its local units
+    # in this rank's stack (it owns all of them, consecutive, in order); (0, 0): none held.
+    local_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -174,7 +177,26 @@ def row_group(group: ShapeGroup) -> ShapeGroup:
         setattr(group, name, total)
     group.gather_comm = group.gather_comm or rows.gather_comm
     group.back_comm = group.back_comm or rows.back_comm
+    if not (rows.gather_comm or rows.back_comm):
+        rows.local_slots = _local_slots(rows)
     return rows
+
+
+def _local_slots(rows: ShapeGroup) -> list[tuple[int, int]]:
+    """``(first slot, slots)`` per parameter of a companion whose units are all owned where
+    they are held: unit order keeps each parameter's local units consecutive and in order."""
+    direct = rows.schedule.direct
+    if direct is None:
+        raise ValueError(f"internal error: the rows of {rows.names[0]!r} need traffic")
+    taken: list[list[int]] = [[] for _ in rows.indices]
+    for slot, (k, _) in enumerate(direct):
+        taken[k].append(slot)
+    out = []
+    for k, slots in enumerate(taken):
+        if slots and slots != list(range(slots[0], slots[0] + len(slots))):
+            raise ValueError(f"internal error: the rows of {rows.names[k]!r} are not consecutive")
+        out.append((slots[0], len(slots)) if slots else (0, 0))
+    return out
 
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
