@@ -2,9 +2,10 @@
 
 From the bottom: ``defaults`` (every choice and default) < ``kernels`` < ``orthogonalize`` <
 ``distributed`` < the optimizer core (functional step, thin drivers, MuonLP) <
-``param_groups`` (options and class rules) < the framework adapters (``torchtitan``,
-``torchtitan03``, ``torchtune``). A module may import its own layer and the layers below;
-``muon_plugin/__init__.py`` is the public facade and may import anything.
+``param_groups`` (options and class rules) < ``adapter`` (the framework adapter core) < the
+framework layers (``torchtitan``, ``torchtitan03``, ``torchtune``). A module may import its
+own layer and the layers below; ``muon_plugin/__init__.py`` is the public facade and may import
+anything.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ LAYERS = {
     "orthogonalize": 2,
     "distributed": 3,
     "param_groups": 5,
-    "torchtitan": 6,
-    "torchtitan03": 6,
-    "torchtune": 6,
+    "adapter": 6,
+    "torchtitan": 7,
+    "torchtitan03": 7,
+    "torchtune": 7,
 }
 CORE = 4  # every other top-level module or package: the optimizer core
 

@@ -22,6 +22,7 @@ PROBE = textwrap.dedent(
 
     sys.meta_path.insert(0, NoTorchtitan())
     import torch
+    from muon_plugin.adapter import build_job_optimizers
     from muon_plugin.param_groups import builder, options, rules, table
     import muon_plugin.torchtitan  # the 0.2.2 package itself imports nothing of torchtitan
     import muon_plugin.torchtitan03
@@ -29,8 +30,7 @@ PROBE = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     cfg = table.apply_table(options.MuonConfig(), {"ns_steps": 3})
     base = builder.BaseHyperparams(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
-    built = builder.build_part_optimizers([model], cfg, base)
-    print(builder.format_build_summary(built, cfg))
+    print(build_job_optimizers([model], cfg, base).format_build_summary())
     assert not any(m.startswith("torchtitan") for m in sys.modules)
     print("OK")
     """

@@ -239,3 +239,20 @@ def test_torchtitans_metrics_processor_records_the_summary() -> None:
 
     assert getattr(MetricsProcessor.log, "_muon_plugin_hook", False)
     assert getattr(MetricsProcessor.close, "_muon_plugin_hook", False)
+
+
+def test_a_setting_newer_than_the_checkpoint_takes_the_jobs_value(tmp_path, caplog) -> None:
+    model = tiny_model()
+    opt, sched = build(model, "--optimizer.name", "muon")
+    train(model, opt, sched, 2)
+    dcp.save({"optimizer": opt}, checkpoint_id=str(tmp_path / "old"))
+    again, _ = build(copy.deepcopy(model), "--optimizer.name", "muon")
+    for g in again.optimizers[0].param_groups:
+        g["future_setting"] = 3
+    with caplog.at_level(logging.INFO):
+        _dcp_load({"optimizer": again}, str(tmp_path / "old"))
+    assert "has no future_setting setting (saved by a version before it existed)" in caplog.text
+    assert all(g["future_setting"] == 3 for g in again.optimizers[0].param_groups)
+    saved, loaded = opt.state_dict(), again.state_dict()
+    key = next(k for k in saved if k.endswith("momentum_buffer"))
+    assert torch.equal(saved[key], loaded[key])

@@ -6,7 +6,9 @@ a subclass of torchtitan's ``OptimizersContainer`` whose single optimizer per mo
 all the param groups (Muon and AdamW): torchtitan's checkpointing (``state_dict`` /
 ``load_state_dict`` with ``flatten_optimizer_state_dict``), LR schedulers (one ``LambdaLR`` per
 inner optimizer, scaling each group's own ``initial_lr``), gradient clipping, the MoE
-load-balancing pre-step hook and float8 post-step hooks all work unchanged.
+load-balancing pre-step hook and float8 post-step hooks all work unchanged. Everything that is
+not torchtitan-specific (the build, the table, the plan report, the resume policy) is the
+adapter core's (:mod:`muon_plugin.adapter`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,11 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from muon_plugin.param_groups.builder import (
-    BaseHyperparams,
-    build_part_optimizers,
-    format_plan_report,
-    format_rules,
-    is_rank0,
-    log_build,
-    with_config_key,
-)
+from muon_plugin.adapter.job import JobContainerMixin, build_job_optimizers
+from muon_plugin.adapter.resume import keep_job_settings_on_load
+from muon_plugin.param_groups.builder import BaseHyperparams, with_config_key
 from muon_plugin.param_groups.options import MuonConfig, validate_optimizer_section
+from muon_plugin.torchtitan.checkpoint import LR_HINT
 
 __all__ = [
     "MuonOptimizersContainer",
@@ -48,25 +45,14 @@ def base_hyperparams(optimizer_config: Any) -> BaseHyperparams:
     )
 
 
-# Group keys a checkpoint restores: the LR scheduler owns lr / initial_lr (see load_state_dict).
-_SCHEDULED_KEYS = frozenset({"params", "lr", "initial_lr"})
+class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part, built by
+    the adapter core (:func:`muon_plugin.adapter.job.build_job_optimizers`).
 
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # e.g. tensors
-        return a is b
-
-
-class MuonOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part built by
-    :func:`muon_plugin.param_groups.builder.build_part_optimizers`.
-
-    Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
-    each param group), ``rules`` (the :class:`RuleSet` used), ``built`` (what the build
-    returned), ``changes_on_load`` (the group settings the last ``load_state_dict`` replaced by
-    the job's, as logged).
+    A checkpoint load keeps this job's group settings and logs what changed
+    (:func:`muon_plugin.adapter.resume.keep_job_settings_on_load`; ``lr`` and ``initial_lr``
+    come from the checkpoint, as torchtitan's LR scheduler resumes from its own state).
+    Attributes: see :class:`~muon_plugin.adapter.job.JobContainerMixin`.
     """
 
     optimizer_name = "muon"
@@ -74,78 +60,12 @@ class MuonOptimizersContainer(OptimizersContainer):
     def __init__(
         self, model_parts: list[nn.Module], cfg: MuonConfig, base: BaseHyperparams
     ) -> None:
-        built = build_part_optimizers(model_parts, cfg, base)
+        job = build_job_optimizers(model_parts, cfg, base)
         self.model_parts = model_parts
-        self.optimizers = built.optimizers
-        self.group_classes = built.group_classes
-        self.rules = built.rules
-        self.built = built
-        self.changes_on_load: list[str] = []
+        self._attach_job(job)
         self._validate_length(len(self.model_parts))
-        self._post_init(built.params, built.kwargs)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint, keeping this job's group settings.
-
-        ``torch.optim`` restores every saved group setting, which would silently override a
-        changed ``ns_steps``, ``weight_decay``, ``momentum``, ... of the resumed job. Here the
-        job wins for every key the plugin builds groups from; ``lr`` and ``initial_lr`` come
-        from the checkpoint, because torchtitan's LR scheduler resumes from its saved base
-        learning rates (as it does for AdamW). What changed is logged (rank 0) with the table.
-        """
-        wanted = [
-            [{k: v for k, v in g.items() if k not in _SCHEDULED_KEYS} for g in opt.param_groups]
-            for opt in self.optimizers
-        ]
-        job_lrs = [
-            [g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in self.optimizers
-        ]
-        super().load_state_dict(state_dict)
-        changed: dict[tuple[str, str, str], list[str]] = {}
-        lr_changed: dict[tuple[str, str], list[str]] = {}
-        for opt, groups, lrs, classes in zip(
-            self.optimizers, wanted, job_lrs, self.group_classes, strict=True
-        ):
-            for g, want, job_lr, c in zip(opt.param_groups, groups, lrs, classes, strict=True):
-                for k, v in want.items():
-                    if k != "param_names" and not _same(g.get(k), v):
-                        changed.setdefault((k, repr(g.get(k)), repr(v)), []).append(c)
-                    g[k] = v
-                saved_lr = g.get("initial_lr", g["lr"])
-                if not _same(float(saved_lr), float(job_lr)):
-                    lr_changed.setdefault((f"{job_lr:.3g}", f"{saved_lr:.3g}"), []).append(c)
-        changes = [
-            f"{k}: {old} (checkpoint) -> {new} (job) in {', '.join(classes)}"
-            for (k, old, new), classes in changed.items()
-        ]
-        lr_notes = [
-            f"job {job}, checkpoint {saved} in {', '.join(classes)}"
-            for (job, saved), classes in lr_changed.items()
-        ]
-        self.changes_on_load = changes
-        if (changes or lr_notes) and is_rank0():
-            text = ""
-            if changes:
-                text += "Muon: the job's settings replace the checkpoint's: " + "; ".join(changes)
-            if lr_notes:
-                text += (
-                    ("\n" if text else "")
-                    + "Muon: base lr differs from the checkpoint's ("
-                    + "; ".join(lr_notes)
-                    + "): the LR scheduler resumes from the checkpoint's base lr, as torchtitan "
-                    "does for every optimizer; to apply a new lr, resume with "
-                    "--checkpoint.exclude_from_loading lr_scheduler (the schedule restarts)"
-                )
-            logger.warning(text)
-            logger.info(f"Muon param groups after loading the checkpoint:\n{self.format_rules()}")
-
-    def format_rules(self) -> str:
-        """The param-group table(s), one per model part."""
-        return format_rules(self.optimizers, self.group_classes)
-
-    def format_plan_report(self) -> str | None:
-        """The optimizers' distributed orthogonalization plans, if they report one."""
-        return format_plan_report(self.optimizers)
+        self._post_init(job.params, job.kwargs)
+        keep_job_settings_on_load(job, lr_from="checkpoint", log=logger, lr_hint=LR_HINT)
 
 
 def _check_supported(optimizer_config: Any, ft_manager: Any) -> None:
@@ -180,8 +100,5 @@ def build_muon_optimizers(
             "(job.custom_config_module is not muon_plugin.torchtitan?): using the defaults"
         )
     container = MuonOptimizersContainer(model_parts, cfg, base_hyperparams(optimizer_config))
-    log_build(
-        container.built, cfg, container.register_step_post_hook, container.format_plan_report,
-        logger,
-    )  # fmt: skip
+    container.job.log_build(container.register_step_post_hook, logger)
     return container

@@ -28,10 +28,13 @@ def activate() -> bool:
     ``torch.distributed.set_timeout`` (before 2.14) torchtitan's post-first-step timeout change
     is skipped with a warning instead of failing (:mod:`muon_plugin.torchtitan03.compat`).
     Always: rank 0 logs the end-of-run summary (loss, throughput, peak memory, checkpoints;
-    :mod:`muon_plugin.torchtitan03.summary`).
+    :mod:`muon_plugin.torchtitan03.summary`), and a checkpoint holding another optimizer's
+    state is refused by name (:mod:`muon_plugin.torchtitan.checkpoint`).
     """
+    from muon_plugin.torchtitan import checkpoint
     from muon_plugin.torchtitan03 import compat, cpu, summary
 
     compat.apply()
     summary.install()
+    checkpoint.install()
     return cpu.apply()

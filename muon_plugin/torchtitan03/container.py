@@ -23,15 +23,12 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from muon_plugin.param_groups.builder import (
-    BaseHyperparams,
-    build_part_optimizers,
-    format_plan_report,
-    format_rules,
-    log_build,
-)
+from muon_plugin.adapter.job import JobContainerMixin, build_job_optimizers
+from muon_plugin.adapter.resume import keep_job_settings_on_load
+from muon_plugin.param_groups.builder import BaseHyperparams
 from muon_plugin.param_groups.options import MuonConfig
 from muon_plugin.param_groups.table import apply_table, read_muon_table
+from muon_plugin.torchtitan.checkpoint import LR_HINT
 
 __all__ = ["MuonOptimizersContainer", "resolve_muon_config"]
 
@@ -45,11 +42,14 @@ def resolve_muon_config(config: MuonOptimizersContainer.Config) -> MuonConfig:
     return cfg
 
 
-class MuonOptimizersContainer(OptimizersContainer):
-    """One Muon optimizer per model part holding all its param groups (Muon and AdamW).
+class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
+    """One Muon optimizer per model part holding all its param groups (Muon and AdamW), built
+    by the adapter core (:func:`muon_plugin.adapter.job.build_job_optimizers`).
 
-    Attributes: ``optimizers`` (one per model part), ``group_classes`` (per part, the class of
-    each param group), ``rules``, ``muon_config`` (the options in force).
+    A checkpoint load keeps this job's group settings and logs what changed
+    (:func:`muon_plugin.adapter.resume.keep_job_settings_on_load`; ``lr`` and ``initial_lr``
+    come from the checkpoint, as torchtitan's LR scheduler resumes from its own state).
+    Attributes: see :class:`~muon_plugin.adapter.job.JobContainerMixin`.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -103,21 +103,11 @@ class MuonOptimizersContainer(OptimizersContainer):
             )
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        cfg = resolve_muon_config(config)
-        built = build_part_optimizers(model_parts, cfg, config.base_hyperparams())
+        job = build_job_optimizers(
+            model_parts, resolve_muon_config(config), config.base_hyperparams()
+        )
         self.model_parts = model_parts
-        self.optimizers = built.optimizers
-        self.group_classes = built.group_classes
-        self.rules = built.rules
-        self.muon_config = cfg
-        self.built = built
-        self._post_init(built.params)
-        log_build(built, cfg, self.register_step_post_hook, self.format_plan_report, logger)
-
-    def format_rules(self) -> str:
-        """The param-group table(s), one per model part."""
-        return format_rules(self.optimizers, self.group_classes)
-
-    def format_plan_report(self) -> str | None:
-        """The optimizers' distributed orthogonalization plans, if they report one."""
-        return format_plan_report(self.optimizers)
+        self._attach_job(job)
+        self._post_init(job.params)
+        keep_job_settings_on_load(job, lr_from="checkpoint", log=logger, lr_hint=LR_HINT)
+        job.log_build(self.register_step_post_hook, logger)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["apply", "is_applied"]
+__all__ = ["apply", "eager_flex_attention_on_cpu", "is_applied"]
 
 _applied = False
 
@@ -29,7 +29,8 @@ def is_applied() -> bool:
     return _applied
 
 
-def _patch_flex_attention() -> None:
+def eager_flex_attention_on_cpu() -> None:
+    """Run torchtitan's FlexAttention eagerly, and let it take CPU tensors (idempotent)."""
     import torch.nn.attention.flex_attention as flex
     from torchtitan.models.common import attention
 
@@ -73,6 +74,6 @@ def apply() -> bool:
     import torchtitan.trainer  # noqa: F401
 
     cpu_common.apply()
-    _patch_flex_attention()
+    eager_flex_attention_on_cpu()
     _applied = True
     return True

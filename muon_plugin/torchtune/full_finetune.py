@@ -20,7 +20,11 @@ DCP), subclassed, except:
   one line from rank 0, ``config error: <key>: ...``;
 - on ``device: cpu`` the recipe runs on gloo (:mod:`muon_plugin.torchtune.cpu`);
 - the DCP resume restores the LR scheduler's ``initial_lr`` (torchtune 0.6.1 drops it, for
-  every optimizer, and the scheduler then refuses to resume).
+  every optimizer, and the scheduler then refuses to resume);
+- a resume keeps the config's optimizer settings (lr included) and logs what changed
+  (:func:`muon_plugin.torchtune.optimizer.muon`); a checkpoint of another optimizer is refused
+  by name (:mod:`muon_plugin.torchtune.resume`);
+- rank 0 logs the end-of-run summary (:mod:`muon_plugin.torchtune.summary`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torchtune import config, training, utils
 
+from muon_plugin.adapter.summary import RunSummary
 from muon_plugin.torchtune.checks import check_recipe_config
 from muon_plugin.torchtune.cpu import on_cpu, own_checkpoint_group
+from muon_plugin.torchtune.optimizer import job_of
 from muon_plugin.torchtune.options import TorchtuneConfigError
+from muon_plugin.torchtune.resume import check_resumed_state
+from muon_plugin.torchtune.summary import record_run
 from muon_plugin.torchtune.upstream import load_recipe_module
 
 FullFinetuneRecipeDistributed = load_recipe_module(
@@ -64,10 +72,28 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
         with on_cpu(self._device):
             return super()._setup_model(*args, **kwargs)
 
+    def setup(self, cfg: DictConfig) -> None:
+        """The upstream set-up; then rank 0 starts recording the run for its summary."""
+        super().setup(cfg)
+        self._summary: RunSummary | None = None
+        if self._is_rank_zero:
+            job = job_of(self._optimizer)
+            self._summary = record_run(
+                self._metric_logger,
+                self.world_size,
+                self._output_dir,
+                None if job is None else job.skipped_updates,
+            )
+
     def train(self) -> None:
-        """The upstream training loop, runnable on CPUs."""
-        with on_cpu(self._device):
-            super().train()
+        """The upstream training loop, runnable on CPUs; rank 0 logs the run's summary."""
+        try:
+            with on_cpu(self._device):
+                super().train()
+        finally:
+            summary = getattr(self, "_summary", None)
+            if summary is not None:
+                log.info(summary.format())
 
     def _setup_optimizer(
         self,
@@ -81,6 +107,13 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
         (resharded to this run's layout) exactly as the upstream recipe does.
         """
         optimizer = config.instantiate(cfg_optimizer, list(self._model.named_parameters()))
+        if self._resume_from_checkpoint:
+            check_resumed_state(
+                optimizer,
+                opt_state_dict,
+                self._dcp_folder() if self._enable_async_checkpointing else None,
+                f"recipe_state.pt in {self._output_dir}",
+            )
         if self._resume_from_checkpoint and self._enable_async_checkpointing:
             # The DCP resume loads into a template of this optimizer's state dict, and reads only
             # the keys it has: without ``initial_lr`` (which the LR scheduler adds later) the
@@ -93,6 +126,14 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
             )
         utils.log_rank_zero(log, "Optimizer is initialized.")
         return optimizer
+
+    def _dcp_folder(self) -> str | None:
+        """The DCP folder the async resume loads (torchtune's own choice of the latest)."""
+        try:
+            checkpointer = self._checkpoint_client._get_dcp_checkpointer()
+            return checkpointer._get_latest_intermediate_checkpoint()
+        except Exception:  # no DCP folder: torchtune's own load reports it
+            return None
 
 
 def _config_error(error: TorchtuneConfigError) -> NoReturn:

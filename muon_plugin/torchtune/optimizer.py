@@ -15,7 +15,6 @@ need nothing else: the optimizer plans their orthogonalization itself.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,14 +22,9 @@ import torch
 from torch.optim import Optimizer
 from torchtune import utils
 
-from muon_plugin.param_groups.builder import (
-    PartOptimizers,
-    format_plan_report,
-    log_build,
-    optimizer_setup,
-    with_config_key,
-)
-from muon_plugin.param_groups.rules import build_param_groups, strip_fqn
+from muon_plugin.adapter.job import JobOptimizers, build_job_optimizers
+from muon_plugin.adapter.resume import keep_job_settings_on_load
+from muon_plugin.param_groups.rules import strip_fqn
 from muon_plugin.torchtune.options import (
     SECTION,
     OptimizerSection,
@@ -39,11 +33,13 @@ from muon_plugin.torchtune.options import (
     yaml_keys,
 )
 
-__all__ = ["build_muon", "muon", "named_parameters"]
+__all__ = ["build_muon", "job_of", "muon", "named_parameters"]
 
 log = utils.get_logger()
 
 RECIPE = "muon_plugin/torchtune/full_finetune.py"
+
+_JOB_ATTRIBUTE = "_muon_job"
 
 
 def named_parameters(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
@@ -74,28 +70,25 @@ def named_parameters(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def build_muon(named: list[tuple[str, torch.Tensor]], section: OptimizerSection) -> PartOptimizers:
-    """The optimizer for ``named`` by the class rules and options of ``section``.
+def build_muon(named: list[tuple[str, torch.Tensor]], section: OptimizerSection) -> JobOptimizers:
+    """The optimizer for ``named`` by the class rules and options of ``section``, built by the
+    adapter core; a resume keeps the section's settings, lr included (see :func:`muon`).
 
     Errors (a pattern that matches nothing, a 1-D class set to Muon, a value the optimizer
     refuses) raise :class:`TorchtuneConfigError` naming ``optimizer.<key>``.
     """
-    cfg = section.muon
-    rules = dataclasses.replace(cfg.rules(), option_prefix=f"{SECTION}.")
-    optimizer_cls, kwargs = optimizer_setup(cfg, section.base)
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    try:  # the rule engine names this section's keys itself (rules.option_prefix)
-        groups, classes = build_param_groups(
-            trainable, rules, lr=kwargs["lr"], weight_decay=kwargs["wd"]
-        )
-    except ValueError as e:
-        raise TorchtuneConfigError(str(e)) from None
-    try:  # the optimizer core names its own arguments: map them to the section's keys
-        optimizer = optimizer_cls(groups, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise TorchtuneConfigError(yaml_keys(str(with_config_key(e)))) from None
-    params = [p for _, p in trainable]
-    return PartOptimizers([optimizer], [classes], params, optimizer_cls, kwargs, rules)
+    try:
+        job = build_job_optimizers([named], section.muon, section.base)
+    except (TypeError, ValueError) as e:  # the core names torchtitan's keys: spell this section's
+        raise TorchtuneConfigError(yaml_keys(str(e))) from None
+    keep_job_settings_on_load(job, lr_from="job", log=log)
+    setattr(job.optimizers[0], _JOB_ATTRIBUTE, job)
+    return job
+
+
+def job_of(optimizer: Optimizer) -> JobOptimizers | None:
+    """The :class:`JobOptimizers` an optimizer of :func:`muon` belongs to (None for others)."""
+    return getattr(optimizer, _JOB_ATTRIBUTE, None)
 
 
 def muon(params: Iterable[Any], **section: Any) -> Optimizer:
@@ -103,13 +96,11 @@ def muon(params: Iterable[Any], **section: Any) -> Optimizer:
 
     ``section``: the YAML keys (see :mod:`muon_plugin.torchtune.options`). Logs the build
     summary with the rule table on rank 0 and, after the first step, the orthogonalization plan
-    (both off with ``log_plan: false``).
+    (both off with ``log_plan: false``). Loading a checkpoint keeps this section's settings:
+    every group setting and the lr (torchtune rebuilds its LR scheduler from the groups after
+    the load), and rank 0 logs what changed.
     """
-    parsed = parse_optimizer_section(section)
-    built = build_muon(named_parameters(params), parsed)
-    optimizer = built.optimizers[0]
-    log_build(
-        built, parsed.muon, optimizer.register_step_post_hook,
-        lambda: format_plan_report([optimizer]), log,
-    )  # fmt: skip
+    job = build_muon(named_parameters(params), parse_optimizer_section(section))
+    optimizer = job.optimizers[0]
+    job.log_build(optimizer.register_step_post_hook, log)
     return optimizer

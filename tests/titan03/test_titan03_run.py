@@ -2,14 +2,17 @@
 
 - a typo or a bad value (on the command line, or in the ``optimizer.muon_toml`` file) is ONE
   line naming the key, exit 2, from ``muon_plugin.torchtitan03.check`` before torchrun starts;
-- a 2-step run writes its log to ``DUMP_FOLDER/logs/<date-time>/train.log`` (and every rank's
-  files) with the end-of-run summary, which only activating the plugin installs;
+- a 4-step run writes its log to ``DUMP_FOLDER/logs/<date-time>/train.log`` (and every rank's
+  files) with the end-of-run summary, which only activating the plugin installs; a resume of
+  its step-2 checkpoint with a changed Muon option trains with the job's option;
 - tyro's boxed errors become the same one-line form as on torchtitan 0.2.2.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +26,8 @@ from muon_plugin.param_groups.messages import one_line, unrecognized_options
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/titan03_muon.py:llama3_debug_muon"
 TOML = ROOT / "configs" / "llama3_debug_muon.toml"
+
+LOSS_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="torchrun + gloo runs on Linux")
 
@@ -48,6 +53,11 @@ def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> dict[str, 
         ]  # fmt: skip
     cmd = ["bash", "scripts/train.sh", CONFIG, *args]
     return {"args": cmd, "cwd": ROOT, "env": env, "text": True}
+
+
+def losses(log: str) -> dict[int, float]:
+    """Step -> loss as torchtitan logs it."""
+    return {int(step): float(loss) for step, loss in LOSS_RE.findall(log)}
 
 
 _TYPO = "optimizer.muon.ns_stepz: unknown key ({}); did you mean optimizer.muon.ns_steps?"
@@ -107,22 +117,39 @@ def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str
 
 @linux_only
 @pytest.mark.slow
-def test_run_writes_the_log_with_the_summary(assets: Path, tmp_path: Path) -> None:
+def test_run_writes_the_log_with_the_summary_and_resumes_with_a_changed_option(
+    assets: Path, tmp_path: Path
+) -> None:
+    """A 4-step run saving at steps 2 and 4; then, from a copy of its step-2 checkpoint, a
+    resume with ``--optimizer.muon.ns_steps 1``: the job's setting is logged and trains (the
+    step-3 loss, from the saved weights, is the first run's; the step-4 loss differs)."""
     dump = tmp_path / "run"
-    args = ["--dump_folder", str(dump), "--training.steps", "2", "--checkpoint.enable"]
-    kwargs = train_sh([*args, "--checkpoint.interval", "2"], tmp_path, assets)
+    args = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    kwargs = train_sh(["--dump_folder", str(dump), *args], tmp_path, assets)
     proc = subprocess.run(capture_output=True, timeout=300, **kwargs)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"train.sh: log: {dump}/logs/") and lines[-1] == lines[0]
     log_file = Path(lines[0].split()[2])
     text = log_file.read_text()
-    assert "Run summary: 2 logged steps (1-2)" in text, text[-3000:]
+    assert "Run summary: 4 logged steps (1-4)" in text, text[-3000:]
     assert "loss: final " in text and "tokens/s over all ranks" in text
-    assert f"checkpoints: {dump}/checkpoint (step-2)" in text
+    assert f"checkpoints: {dump}/checkpoint (step-2, step-4)" in text
     assert f"log: {log_file}" in text
     ranks = list((log_file.parent / "ranks").rglob("stdout.log"))
     assert ranks and "Run summary" in ranks[0].read_text()
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(dump / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    more = ["--optimizer.muon.ns_steps", "1"]
+    kwargs = train_sh(["--dump_folder", str(resumed), *args, *more], tmp_path, assets)
+    proc = subprocess.run(capture_output=True, timeout=300, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    again = Path(proc.stdout.splitlines()[0].split()[2]).read_text()
+    assert "ns_steps: 5 (checkpoint) -> 1 (job) in matrix" in again, again[-3000:]
+    first, second = losses(text), losses(again)
+    assert sorted(second) == [3, 4], second
+    assert second[3] == first[3] and second[4] != first[4], (first, second)
 
 
 def test_importing_the_plugin_installs_no_summary() -> None:

@@ -5,7 +5,9 @@
 - FSDP=2 trains with Muon on the matrices and AdamW on the embedding, norms and output head:
   rank 0 logs the rule table once and the plan (FSDP ``S(0)`` shards); the loss falls; the
   rank-0 full optimizer state dict of epoch 0 holds every class's state under its name;
+- rank 0 logs the end-of-run summary (8 logged steps, the checkpoint folders);
 - resuming from that checkpoint (FSDP=2) gives the uninterrupted run's epoch-2 losses exactly;
+  resuming with a changed option (``optimizer.ns_steps=1``) logs the change and trains with it;
 - TP=2 (torchtune's llama TP plan) with ``enable_async_checkpointing`` (DCP) trains like FSDP
   (same losses to 1e-4: the same global batches and the same whole-matrix orthogonalization),
   and resuming from its DCP checkpoint gives its epoch-2 losses exactly;
@@ -131,6 +133,9 @@ def test_fsdp_trains_with_the_class_rules(fsdp: dict) -> None:
     # The plan: FSDP shards, 14 matrices split 7-7 over the 2 ranks.
     assert "Muon orthogonalization plan" in log and "(S(0))" in log
     assert "all groups, 2 rank(s): matrices 7-7" in log
+    assert f"Run summary: {STEPS * EPOCHS} logged steps (1-{STEPS * EPOCHS})" in log, log[-3000:]
+    assert "tokens/s over all ranks (median of" in log
+    assert f"checkpoints: {fsdp['out']} (epoch_0, epoch_1)" in log
 
 
 def test_fsdp_checkpoint_holds_muon_state_and_resumes_exactly(fsdp: dict) -> None:
@@ -151,6 +156,16 @@ def test_fsdp_checkpoint_holds_muon_state_and_resumes_exactly(fsdp: dict) -> Non
     resumed = losses(log_dir)
     assert sorted(resumed) == list(range(STEPS + 1, STEPS * EPOCHS + 1)), resumed
     assert resumed == {s: fsdp["losses"][s] for s in resumed}
+
+
+def test_resume_with_a_changed_option_trains_with_it(fsdp: dict) -> None:
+    log_dir = fsdp["tmp"] / "changed_logs"
+    log = run(fsdp["tmp"], [*fsdp["args"], *resume(log_dir), "optimizer.ns_steps=1"])
+    assert "ns_steps: 5 (checkpoint) -> 1 (job) in matrix" in log, log[-3000:]
+    resumed = losses(log_dir)
+    assert sorted(resumed) == list(range(STEPS + 1, STEPS * EPOCHS + 1)), resumed
+    assert resumed[STEPS + 1] == fsdp["losses"][STEPS + 1]  # the saved weights
+    assert resumed[STEPS * EPOCHS] != fsdp["losses"][STEPS * EPOCHS]
 
 
 def test_tp_with_dcp_matches_fsdp_and_resumes_exactly(

@@ -1,0 +1,56 @@
+"""The end-of-run summary of a torchtune run, from what the recipe logs.
+
+torchtune's recipe logs, on rank 0 every ``log_every_n_steps``, ``metric_logger.log_dict`` with
+``loss``, ``tokens_per_second_per_gpu`` and, with ``log_peak_memory_stats``, the peak memory in
+GiB. :func:`record_run` wraps that method of the recipe's metric logger to feed the adapter
+core's :class:`~muon_plugin.adapter.summary.RunSummary`; the recipe logs
+:meth:`~muon_plugin.adapter.summary.RunSummary.format` when training ends. Nothing that torchtune
+logs or computes changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from muon_plugin.adapter.summary import RunSummary
+
+__all__ = ["CHECKPOINT_PREFIXES", "record_run"]
+
+CHECKPOINT_PREFIXES = ("epoch_", "dist_epoch_")
+"""How torchtune names its checkpoint folders: full state dicts, and DCP (async)."""
+
+
+def record_run(
+    metric_logger: Any, world_size: int, output_dir: str | None, skipped: Any = None
+) -> RunSummary:
+    """A summary that records every ``metric_logger.log_dict`` call from now on.
+
+    ``skipped``: a callable returning Muon's skipped updates so far on this rank.
+    """
+    summary = RunSummary(output_dir, CHECKPOINT_PREFIXES)
+    original = metric_logger.log_dict
+
+    @functools.wraps(original)
+    def log_dict(payload: dict[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(payload, step, *args, **kwargs)
+        try:  # a summary must never stop training
+            if "loss" in payload:
+                rate = payload.get("tokens_per_second_per_gpu")
+                summary.record(
+                    int(step),
+                    float(payload["loss"]),
+                    None,
+                    float(payload.get("peak_memory_reserved", 0.0)),
+                    time.perf_counter(),
+                    None if rate is None else float(rate) * world_size,
+                )
+            if skipped is not None:
+                summary.skipped = int(skipped())
+        except Exception:
+            pass
+        return result
+
+    metric_logger.log_dict = log_dict
+    return summary
