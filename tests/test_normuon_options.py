@@ -12,11 +12,8 @@ import torch
 from torch import nn
 
 from muon_plugin import MuonForeach, muon_param_groups
-from muon_plugin.param_groups.builder import (
-    BaseHyperparams,
-    build_part_optimizers,
-    format_build_summary,
-)
+from muon_plugin.adapter import build_job_optimizers
+from muon_plugin.param_groups.builder import BaseHyperparams
 from muon_plugin.param_groups.options import MuonConfig
 from muon_plugin.row_state import ROW_STATE_KEY
 
@@ -40,7 +37,7 @@ def by_class(built) -> dict[str, dict]:
 
 def test_normalization_reaches_every_muon_class_and_the_table():
     cfg = MuonConfig(normalization="normuon", normuon_beta2=0.9, normuon_rescale="rms")
-    built = build_part_optimizers([Tiny()], cfg, BASE)
+    built = build_job_optimizers([Tiny()], cfg, BASE)
     groups = by_class(built)
     assert {c: g["normalization"] for c, g in groups.items() if g["algorithm"] == "muon"} == {
         "matrix": "normuon",
@@ -48,13 +45,13 @@ def test_normalization_reaches_every_muon_class_and_the_table():
     }
     assert groups["matrix"]["normuon_beta2"] == 0.9
     assert groups["expert"]["normuon_rescale"] == "rms"
-    summary = format_build_summary(built, cfg)
+    summary = built.format_build_summary()
     assert "matrix     normuon" in summary and "embedding  adamw" in summary, summary
 
 
 def test_per_class_normalization_overrides_the_default():
     cfg = MuonConfig(expert_normalization="normuon", output_algorithm="muon")
-    built = build_part_optimizers([Tiny()], cfg, BASE)
+    built = build_job_optimizers([Tiny()], cfg, BASE)
     groups = by_class(built)
     assert groups["expert"]["normalization"] == "normuon"
     assert groups["matrix"]["normalization"] == "none"
@@ -126,3 +123,37 @@ def test_torchtitan_toml_and_cli(tmp_path: Path, capsys):
             ["--job.config_file", str(toml), "--optimizer.muon.normuon_beta2", "1.5"]
         )
     assert "optimizer.muon.normuon_beta2: invalid value" in capsys.readouterr().err
+
+
+def test_a_resumed_job_switches_to_normuon_and_starts_its_second_moments_at_zero():
+    """Through the adapter core the job's settings win on a load: a Muon checkpoint resumed
+    by a NorMuon job keeps its momentum and runs NorMuon from zero second moments."""
+    import logging
+
+    from muon_plugin.adapter import keep_job_settings_on_load
+
+    torch.manual_seed(0)
+    model = Tiny()
+    muon = build_job_optimizers([model], MuonConfig(), BASE)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    muon.optimizers[0].step()
+    job = build_job_optimizers([model], MuonConfig(normalization="normuon"), BASE)
+    keep_job_settings_on_load(job, lr_from="checkpoint", log=logging.getLogger("test"))
+    opt = job.optimizers[0]
+    opt.load_state_dict(muon.optimizers[0].state_dict())
+    assert "normalization: 'none' (checkpoint) -> 'normuon' (job)" in " ".join(job.changes_on_load)
+    assert by_class(job)["matrix"]["normalization"] == "normuon"
+    opt.step()
+    assert ROW_STATE_KEY in opt.state[model.wq.weight]
+
+
+def test_a_muon_dcp_checkpoint_under_a_normuon_job_is_named_by_its_missing_key():
+    """torchtitan's DCP loader needs every key the job's state has: resuming a Muon checkpoint
+    with NorMuon switched on is refused with the missing state name (the way out: start the
+    optimizer state afresh), not deep inside torch.distributed.checkpoint."""
+    from muon_plugin.adapter.foreign_state import foreign_flat_state
+
+    expected = ["state.wq.weight.momentum_buffer", f"state.wq.weight.{ROW_STATE_KEY}"]
+    found = foreign_flat_state(expected, ["state.wq.weight.momentum_buffer"], ["wq.weight"])
+    assert found == ("wq.weight", {"momentum_buffer", ROW_STATE_KEY}, {"momentum_buffer"})
