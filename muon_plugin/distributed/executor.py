@@ -15,8 +15,9 @@ every layout, local ones included, so a parameter's update does not depend on ho
 ``orthogonalize_stack(full_direction.to(bf16)[None], spec)[0]``.
 
 **Row normalization** (NorMuon, a spec with ``normalization``): each parameter's per-row state
-(fp32) travels as bf16 words with its shards (the group's ``rows`` companion, in the same
-all-to-alls); the owner computes the rows' factors of its stack of orthogonalized matrices
+(fp32) goes to the owner of its matrix with the shards (the group's ``rows`` companion, as bf16
+words in the same all-to-alls where the rows travel; :mod:`~muon_plugin.distributed.rows`);
+the owner computes the rows' factors of its stack of orthogonalized matrices
 (:func:`~muon_plugin.orthogonalize.normuon.normuon_factors_`), and the updated states and the
 factors go back with the update to every rank holding those rows, where the update step
 multiplies each row by its factor. The factors come from whole matrices only, so the update
