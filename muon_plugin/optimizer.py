@@ -19,6 +19,7 @@ into one batched orthogonalization. Parameters may be plain tensors or DTensors 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,7 +31,7 @@ from muon_plugin import functional
 from muon_plugin.adam import adam_step
 from muon_plugin.copies import CopyableOptimizer
 from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
-from muon_plugin.distributed.plan import OrthogonalizationPlan, plan_orthogonalization
+from muon_plugin.distributed.plan import OrthogonalizationPlan, PreparedPlan, prepare_plan
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
 from muon_plugin.group_settings import (
     agreed_settings,
@@ -48,11 +49,13 @@ from muon_plugin.state_dict import (
     place_fused_adam_steps,
     positions,
     restore_momentum,
+    warn_missing_state,
 )
 from muon_plugin.validation import (
     NUMBER_KEYS,
     check_grad_layouts,
     check_group_keys,
+    check_unique_params,
     normalize_group,
     resolve_synonyms,
     validate_group,
@@ -197,6 +200,7 @@ class Muon(CopyableOptimizer):
             **named,
         )
         self._plan: OrthogonalizationPlan | None = None
+        self._prepared: PreparedPlan | None = None
         self._plan_key: tuple | None = None
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -212,6 +216,7 @@ class Muon(CopyableOptimizer):
     def _forget_plan(self) -> None:
         """Drop the cached plan: the next step builds it again."""
         self._plan = None
+        self._prepared = None
         self._plan_key = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -219,10 +224,13 @@ class Muon(CopyableOptimizer):
         index = len(self.param_groups)
         param_group = resolve_synonyms(param_group, f"param group {index}")
         check_group_keys(param_group, index)
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # refused below, naming the parameter
+            warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         normalize_group(group)
         try:
+            check_unique_params(group, index)
             validate_group(group)
         except ValueError:
             self.param_groups.pop()
@@ -316,7 +324,12 @@ class Muon(CopyableOptimizer):
     def _orthogonalization_plan(
         self, params: list[Tensor], specs: list[MatrixSpec]
     ) -> OrthogonalizationPlan:
-        """The cached plan for this set of parameters, layouts and specs (rebuilt on change)."""
+        """The cached plan for this set of parameters, layouts and specs (rebuilt on change).
+
+        The ranks of every mesh check at every step that they give the same parameters
+        (:mod:`~muon_plugin.distributed.agreement`), before any of them rebuilds: a gradient
+        that is None on some ranks only ends on every rank in an error naming the parameter.
+        """
         key = tuple(
             (id(p), p.shape, p.placements if isinstance(p, DTensor) else None, spec)
             for p, spec in zip(params, specs, strict=True)
@@ -325,7 +338,7 @@ class Muon(CopyableOptimizer):
             # Names and settings, which the ranks of a mesh must agree on.
             names = names_by_id(self.param_groups)
             settings = {id(p): agreed_settings(g) for g in self.param_groups for p in g["params"]}
-            self._plan = plan_orthogonalization(
+            self._prepared = prepare_plan(
                 params,
                 specs,
                 batched=self.batched,
@@ -333,8 +346,11 @@ class Muon(CopyableOptimizer):
                 replicate_group=self.replicate_group,
                 settings=[settings[id(p)] for p in params],
             )
-            self._plan_key = key
-        assert self._plan is not None
+            self._plan, self._plan_key = None, key
+        assert self._prepared is not None
+        self._prepared.agreement.verify()
+        if self._plan is None:
+            self._plan = self._prepared.build()
         return self._plan
 
     # ------------------------------------------------------------------ checkpoints
@@ -366,6 +382,7 @@ class Muon(CopyableOptimizer):
         restore_momentum(
             held, where, self.state, lambda p, saved: self._restore_held(p, saved, where)
         )
+        warn_missing_state(self.param_groups, self.state)
         place_fused_adam_steps(self.param_groups, self.state)
         self._forget_plan()
 

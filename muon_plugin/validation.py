@@ -100,6 +100,20 @@ def check_group_keys(group: Mapping[str, Any], index: int) -> None:
         )
 
 
+def check_unique_params(group: Mapping[str, Any], index: int) -> None:
+    """Raise ValueError naming a parameter that appears twice in param group ``index`` (torch
+    only warns, then updates it twice per step)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        first = seen.setdefault(id(p), i)
+        if first != i:
+            raise ValueError(
+                f"param group {index}: {describe(group, i, p)} appears twice (positions "
+                f"{first} and {i}); give each parameter once (it would be updated twice per "
+                "step)"
+            )
+
+
 def normalize_group(group: dict[str, Any]) -> None:
     """Store the sequence settings of ``group`` as tuples (hashable, comparable)."""
     for key in ("split_sizes", "ns_coefficients"):
