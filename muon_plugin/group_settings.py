@@ -15,6 +15,7 @@ from torch import Tensor
 
 from muon_plugin.functional import GroupSettings
 from muon_plugin.orthogonalize import MatrixSpec, elementwise_kernels_allowed
+from muon_plugin.orthogonalize.spec import RowNormalization
 
 AGREED_GROUP_KEYS = ("momentum", "nesterov", "wd", "use_cautious_wd")
 """Group settings of the elementwise math, besides the spec, that every rank of a mesh must
@@ -45,6 +46,18 @@ def group_spec(group: Mapping[str, Any]) -> MatrixSpec:
         coefficients=None if coefficients is None else tuple(float(c) for c in coefficients),
         eps=float(group["ns_eps"]),
         backend=group["backend"],
+        normalization=row_normalization(group),
+    )
+
+
+def row_normalization(group: Mapping[str, Any]) -> RowNormalization | None:
+    """The row normalization of a Muon group (NorMuon), or None (plain Muon)."""
+    if group["normalization"] == "none":
+        return None
+    return RowNormalization(
+        beta2=float(group["normuon_beta2"]),
+        eps=float(group["normuon_eps"]),
+        rescale=group["normuon_rescale"],
     )
 
 

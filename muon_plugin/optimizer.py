@@ -39,7 +39,8 @@ from muon_plugin.group_settings import (
     group_spec,
 )
 from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import local, names_by_id
+from muon_plugin.parameters import describe, local, names_by_id
+from muon_plugin.row_state import ROW_STATE_KEY, check_row_state, restore_row_state, zero_row_state
 from muon_plugin.state_dict import (
     check_group_sizes,
     fill_missing_settings,
@@ -93,6 +94,17 @@ class Muon(CopyableOptimizer):
             picklable: a pickled optimizer comes back without it (every rank then
             orthogonalizes its replicated matrices itself: the same updates, more work;
             set the attribute again to split the work); ``copy.deepcopy`` keeps it.
+        normalization: ``"none"`` (Muon) or ``"normuon"``: NorMuon (arXiv:2510.05491), each row
+            of the orthogonalized update divided by the root of its running mean square, then
+            the matrix rescaled (each row block of ``split_sizes`` on its own), on the rank
+            that orthogonalized it. Extra state: one fp32 entry per row
+            (``"normuon_second_moment"``), laid out like the parameter's rows.
+        normuon_beta2: the per-row second moment's EMA coefficient (default 0.95).
+        normuon_eps: added to the root of the second moment (default 1e-8).
+        normuon_rescale: ``"frobenius"`` (default) keeps the Frobenius norm of Muon's update
+            (the NorMuon authors' code); ``"rms"`` gives the norm of an exactly orthogonal
+            update under ``lr_adjust`` (the paper's rule; an update RMS of 0.2 with
+            ``"match_rms_adamw"``).
         skip_nonfinite: skip the update of every Muon matrix whose orthogonalized direction
             is non-finite (a NaN/Inf gradient or momentum): its weights and momentum stay as
             they were. ``skipped_updates`` counts, on this rank, the Muon parameters with a
@@ -141,6 +153,10 @@ class Muon(CopyableOptimizer):
         ns_coefficients: tuple[float, float, float] | None = DEFAULTS["ns_coefficients"],
         ns_eps: float | None = None,
         backend: str = DEFAULTS["backend"],
+        normalization: str = DEFAULTS["normalization"],
+        normuon_beta2: float = DEFAULTS["normuon_beta2"],
+        normuon_eps: float = DEFAULTS["normuon_eps"],
+        normuon_rescale: str = DEFAULTS["normuon_rescale"],
         skip_nonfinite: bool = SKIP_NONFINITE,
         weight_decay: float | None = None,
         adjust_lr_fn: str | None = None,
@@ -177,6 +193,10 @@ class Muon(CopyableOptimizer):
             split_sizes=split_sizes,
             ns_coefficients=ns_coefficients,
             backend=backend,
+            normalization=normalization,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
+            normuon_rescale=normuon_rescale,
             **named,
         )
         self._plan: OrthogonalizationPlan | None = None
@@ -241,15 +261,18 @@ class Muon(CopyableOptimizer):
         specs: list[MatrixSpec] = []
         settings: list[functional.GroupSettings] = []
         momenta: list[Any] = []
+        rows: list[Tensor | None] = []
         for group in groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
             check_grad_layouts(group, ps)
+            spec = group_spec(group)
             params += ps
-            specs += [group_spec(group)] * len(ps)
+            specs += [spec] * len(ps)
             settings.append(group_settings(group, len(ps)))
             momenta += self._momentum_states(group, ps)
+            rows += self._row_states(group, ps, spec)
         if not params:
             return
         skipped = functional.muon(
@@ -261,6 +284,7 @@ class Muon(CopyableOptimizer):
             foreach=self.batched,
             skip_nonfinite=self.skip_nonfinite,
             storage=self.momentum_storage,
+            second_moments=rows if any(r is not None for r in rows) else None,
         )
         self.skipped_updates += len(skipped)
 
@@ -268,6 +292,25 @@ class Muon(CopyableOptimizer):
         """The momentum of ``ps`` (Muon params with grads) as :attr:`momentum_storage` takes
         it, created (zero) if missing: here the local momentum buffers."""
         return [local(self._momentum_buffer(p)) for p in ps]
+
+    def _row_states(
+        self, group: dict[str, Any], ps: list[Tensor], spec: MatrixSpec
+    ) -> list[Tensor | None]:
+        """NorMuon's local per-row states of ``ps`` (created zero if missing), or Nones when the
+        group does not normalize rows."""
+        if spec.normalization is None:
+            return [None] * len(ps)
+        out: list[Tensor | None] = []
+        for p in ps:
+            state = self.state[p]
+            if ROW_STATE_KEY not in state:
+                state[ROW_STATE_KEY] = zero_row_state(p, spec)
+            try:
+                out.append(check_row_state(p, state[ROW_STATE_KEY], spec))
+            except ValueError as e:
+                i = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ValueError(f"the state of {describe(group, i, p)}: {e}") from None
+        return out
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
@@ -325,20 +368,35 @@ class Muon(CopyableOptimizer):
         - ``torch.optim`` casts every floating state tensor to its parameter's dtype, which
           would turn the fp32 momentum of bf16 parameters into bf16 (and MuonLP's codes into
           floats). Momentum entries are held out of that cast and restored by
-          ``_restore_momentum``.
+          ``_restore_momentum``; NorMuon's per-row state likewise (fp32, laid out like its
+          parameter's rows; its shape is checked against the parameter's rows).
         """
         state_dict = match_by_name(state_dict, self.param_groups)
         check_group_sizes(state_dict["param_groups"], self.param_groups)
         where = positions(self.param_groups)
         state_dict, held = hold_out_momentum(
-            state_dict, self.param_groups, self.momentum_state_keys
+            state_dict, self.param_groups, (*self.momentum_state_keys, ROW_STATE_KEY)
         )
         super().load_state_dict(state_dict)
         fill_missing_settings(self.param_groups, self.defaults)
-        restore_momentum(held, where, self.state, self._restore_momentum)
+        restore_momentum(
+            held, where, self.state, lambda p, saved: self._restore_held(p, saved, where)
+        )
         warn_missing_state(self.param_groups, self.state)
         place_fused_adam_steps(self.param_groups, self.state)
         self._forget_plan()
+
+    def _restore_held(
+        self, p: Tensor, saved: dict[str, Tensor], where: dict[int, tuple[Any, int]]
+    ) -> dict[str, Tensor]:
+        """Held-out entries of ``p``: its momentum (:meth:`_restore_momentum`) and its NorMuon
+        per-row state (fp32, laid out like ``p``'s rows; ``where``: the params' positions)."""
+        momentum = {k: v for k, v in saved.items() if k != ROW_STATE_KEY}
+        out = self._restore_momentum(p, momentum) if momentum else {}
+        if ROW_STATE_KEY in saved:
+            group = where[id(p)][0]
+            out[ROW_STATE_KEY] = restore_row_state(p, saved[ROW_STATE_KEY], group_spec(group))
+        return out
 
     def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
         """Loaded momentum entries of ``p`` in this optimizer's dtype, on ``p``'s device."""

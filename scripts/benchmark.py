@@ -14,11 +14,12 @@ runs saved earlier with ``--json``). Sections (``--sections``, default all):
    exact polar factor (fp64) on a Gaussian and on a low-rank-plus-noise input, each path
    checked against the plain bf16 loop (never farther from the polar factor).
 3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
-   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, MuonLP int8 and
-   int4 at default settings, compiled), torch's Muon, a naive per-parameter reference Muon,
-   fused AdamW, the elementwise part of our step alone, and any importable peer at its fastest
-   documented settings (dion's Muon with gram Newton-Schulz or its Triton kernels, inside its
-   CUDA-graph wrapper; gram-newton-schulz's Muon; muonium; dtensor_muon); then the Llama slice
+   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, with NorMuon's row
+   normalization too, Muon, MuonLP int8 and int4 at default settings, compiled), torch's Muon,
+   a naive per-parameter reference Muon, fused AdamW, the elementwise part of our step alone,
+   and any importable peer at its fastest documented settings (dion's Muon with gram
+   Newton-Schulz or its Triton kernels, inside its CUDA-graph wrapper; gram-newton-schulz's
+   Muon; muonium; dtensor_muon); then the Llama slice
    with bf16 params and grads (what FSDP's mixed precision with bf16 parameters hands over)
    for a few of those rows.
 4. ``memory``: optimizer-state bytes (per parameter) and the peak memory above params and grads
@@ -741,6 +742,7 @@ def make_workload(
 
 BF16_ROWS = (
     "MuonForeach (polar_express)",
+    "MuonForeach (NorMuon)",
     "MuonLP (int8)",
     "torch.optim.Muon",
     "AdamW(fused=True)",
@@ -860,6 +862,12 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             "MuonForeach (newton_schulz)",
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, orthogonalization_strategy="newton_schulz"),
+            required=True,
+        ),
+        Row(  # NorMuon: the same step plus the per-row normalization (its speed budget: +3%)
+            "MuonForeach (NorMuon)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, normalization="normuon"),
             required=True,
         ),
         Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),

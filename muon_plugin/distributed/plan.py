@@ -80,18 +80,28 @@ class OrthogonalizationPlan:
         """Parameter positions a step may take through all three stages one set after another
         (bounding the step's workspace): several sets only where no group communicates."""
 
-    def run(self, directions: Sequence[Tensor | None], phase: int | None = None) -> list[Any]:
+    def run(
+        self,
+        directions: Sequence[Tensor | None],
+        phase: int | None = None,
+        rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
+    ) -> list[Any]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
 
         Returns, per parameter, the local shard (same shape as the input) of the orthogonalized
         whole matrix, in bf16. Every rank of every domain must call this with the same plan.
         With ``phase``, only the parameters of ``phases[phase]`` (their directions are read,
-        the other entries may be None, and come back None).
+        the other entries may be None, and come back None). ``rows``: the local per-row states
+        (fp32) of the parameters whose spec normalizes rows (NorMuon), updated in place; None
+        for the others. ``factors`` (a list as long as ``directions``, needed with ``rows``)
+        receives those parameters' rows' factors: their update is the returned shard times
+        its rows' factors.
         """
         if self.executor is None:
             raise RuntimeError("a simulated plan (simulate_plan) reports but cannot run")
         groups = None if phase is None else self._phase_groups[phase]
-        out = self.executor.run(directions, groups)
+        out = self.executor.run(directions, groups, rows, factors)
         self.last_stats = dict(self.executor.comm.stats)
         return out
 

@@ -16,6 +16,10 @@ Every rank computes the same plan from the parameters' layouts:
 5. Traffic and this rank's schedule (:mod:`~muon_plugin.distributed.schedule`).
 6. The orthogonalization path of this rank's stack, resolved once by the group's backend
    (:func:`muon_plugin.orthogonalize.resolve_path`) and stored on the group.
+7. For a spec with a row normalization (NorMuon), the group's ``rows`` companion: the per-row
+   state (fp32, as two bf16 words per row) laid out like the parameter's rows, with the same
+   units and owners, so that each unit's rows travel to its owner with its shards and back with
+   its update (:func:`row_group`).
 
 :func:`simulated_layouts` describes hypothetical parameters (a mesh of ranks ``0 .. N-1``), so
 reports and benchmarks run this same planner without processes.
@@ -34,8 +38,8 @@ from typing import Any
 import torch
 
 from muon_plugin.distributed.groups import Domain
-from muon_plugin.distributed.layout import Layout, LayoutError, layout_of
-from muon_plugin.distributed.schedule import Schedule, schedule_group
+from muon_plugin.distributed.layout import Layout, LayoutError, layout_of, row_placements
+from muon_plugin.distributed.schedule import WIRE_DTYPE, Schedule, schedule_group
 from muon_plugin.orthogonalize import MatrixSpec, ResolvedPath, resolve_path
 
 
@@ -80,6 +84,10 @@ class ShapeGroup:
     gather_comm: bool = False  # does any rank of the domain send anything?
     back_comm: bool = False
     path: ResolvedPath | None = None  # how this rank orthogonalizes its stack of the group
+    rows: ShapeGroup | None = None  # the per-row state's companion (NorMuon), see row_group
+    # A rows companion without traffic: per parameter, (first slot, slots) of its local units
+    # in this rank's stack (it owns all of them, consecutive, in order); (0, 0): none held.
+    local_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -133,8 +141,63 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
     _assign_owners(plan, holdings)
     for group, held in zip(plan, holdings, strict=True):
         schedule_group(group, held)
+        if group.spec.normalization is not None:
+            group.rows = row_group(group)
         group.path = _resolve(group, batched)
     return plan
+
+
+ROW_WORDS = 2
+"""An fp32 entry of the per-row state travels as two bf16 words (its bits, unchanged)."""
+
+
+def row_group(group: ShapeGroup) -> ShapeGroup:
+    """The companion of ``group`` that moves its per-row state: shape ``(*rows, ROW_WORDS)``
+    (the state viewed as bf16 words), placed like the parameter's rows
+    (:func:`~muon_plugin.distributed.layout.row_placements`), with ``group``'s units and owners.
+
+    Its schedule sends each unit's rows to the owner from one holder and returns the updated
+    rows, and their factors, to every holder, replicas along column shards included; its
+    traffic (the return's twice: states and factors) is added to ``group``'s, whose
+    all-to-alls carry it.
+    """
+    rows_shape = group.spec.row_shape(group.shape)
+    shape = (*rows_shape, ROW_WORDS)
+    placements = row_placements(group.layout.placements, len(rows_shape))
+    layout = layout_of(shape, group.domain.mesh_shape, placements)
+    rows = ShapeGroup(shape, WIRE_DTYPE, group.spec, group.domain, layout, group.device)
+    rows.indices, rows.names = group.indices, group.names
+    rows.unit_dims = (len(shape) - 2, len(shape) - 1)
+    rows.batch_dims = tuple(range(len(shape) - 2))
+    rows.units, rows.owners = group.units, group.owners
+    schedule_group(rows, _group_holdings(rows))
+    rows.back_send_bytes = [2 * n for n in rows.back_send_bytes]  # states and factors
+    rows.back_recv_bytes = [2 * n for n in rows.back_recv_bytes]
+    for name in ("gather_send_bytes", "gather_recv_bytes", "back_send_bytes", "back_recv_bytes"):
+        total = [a + b for a, b in zip(getattr(group, name), getattr(rows, name), strict=True)]
+        setattr(group, name, total)
+    group.gather_comm = group.gather_comm or rows.gather_comm
+    group.back_comm = group.back_comm or rows.back_comm
+    if not (rows.gather_comm or rows.back_comm):
+        rows.local_slots = _local_slots(rows)
+    return rows
+
+
+def _local_slots(rows: ShapeGroup) -> list[tuple[int, int]]:
+    """``(first slot, slots)`` per parameter of a companion whose units are all owned where
+    they are held: unit order keeps each parameter's local units consecutive and in order."""
+    direct = rows.schedule.direct
+    if direct is None:
+        raise ValueError(f"internal error: the rows of {rows.names[0]!r} need traffic")
+    taken: list[list[int]] = [[] for _ in rows.indices]
+    for slot, (k, _) in enumerate(direct):
+        taken[k].append(slot)
+    out = []
+    for k, slots in enumerate(taken):
+        if slots and slots != list(range(slots[0], slots[0] + len(slots))):
+            raise ValueError(f"internal error: the rows of {rows.names[k]!r} are not consecutive")
+        out.append((slots[0], len(slots)) if slots else (0, 0))
+    return out
 
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
