@@ -23,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from muon_plugin.kernels.symmetric_tiles import upper_tile_count
+
 __all__ = [
     "gram",
     "kernel_handles",
@@ -57,13 +59,6 @@ def _triton_module() -> ModuleType:
     from muon_plugin.kernels import _symmetric_triton
 
     return _symmetric_triton
-
-
-def upper_tile_count(m: int, block_m: int, block_n: int) -> int:
-    """Tiles of ``block_m x block_n`` (block_n a multiple of block_m) that meet the upper
-    triangle of an ``m x m`` output: the kernel's programs per matrix."""
-    t = -(-m // block_n)
-    return (block_n // block_m) * t * (t + 1) // 2
 
 
 # The kernel's programs: 128 x 128 upper-triangle tiles, two resident per SM: the region pays
