@@ -57,7 +57,9 @@ Stack = Tensor | list[Tensor]
 class Executor:
     """Runs a plan's shape groups every step through ``communicator``."""
 
-    def __init__(self, groups: list[ShapeGroup], communicator: Communicator, batched: bool):
+    def __init__(
+        self, groups: Sequence[ShapeGroup], communicator: Communicator, batched: bool
+    ) -> None:
         self.groups = groups
         self.comm = communicator
         self.batched = batched
@@ -71,7 +73,7 @@ class Executor:
     def run(
         self,
         directions: Sequence[Tensor | None],
-        groups: list[ShapeGroup] | None = None,
+        groups: Sequence[ShapeGroup] | None = None,
         rows: Sequence[Tensor | None] | None = None,
         factors: list[Tensor | None] | None = None,
     ) -> list[Tensor | None]:
@@ -155,10 +157,7 @@ class Executor:
                     srcs.append(part[piece_sl])
         if pending is not None:
             pending.work.wait()
-            shapes = (shape for _, shape, _ in sched.gather_recv)
-            for (slot, _, rects), part in zip(
-                sched.gather_recv, pending.pieces(0, shapes), strict=True
-            ):
+            for (slot, _, rects), part in pending.received(0):
                 assert stack is not None
                 for unit_sl, piece_sl in rects:
                     dsts.append(stack[slot][unit_sl])
@@ -225,15 +224,11 @@ class Executor:
         out: list[Tensor | None],
     ) -> None:
         """Each parameter's local shard of the results: views, local copies, received pieces."""
-        sched = group.schedule
         dsts, srcs = _scatter_local(group, result, out)
         if pending is not None:
             pending.work.wait()
             single = not group.batch_dims  # one unit per parameter
-            shapes = (shape for _, _, shape in sched.back_recv)
-            for (k, local_b, _), part in zip(
-                sched.back_recv, pending.pieces(0, shapes), strict=True
-            ):
+            for (k, local_b, _), part in pending.received(0):
                 i = group.indices[k]
                 if single:
                     out[i] = part

@@ -4,11 +4,14 @@ A plan is built once per set of parameters (the optimizer caches it) and execute
 It is put together from three parts:
 
 - the **planner** (:mod:`~muon_plugin.distributed.planner`, with
+  :mod:`~muon_plugin.distributed.units`, :mod:`~muon_plugin.distributed.owners` and
   :mod:`~muon_plugin.distributed.schedule`): pure, every rank computes the same shape groups,
-  units, owners, schedules, per-rank traffic and FLOPs, and resolves each group's
-  orthogonalization path once (its spec's backend);
+  units, owners, exchange schedules, per-rank traffic and FLOPs, and resolves each group's
+  orthogonalization path once (its spec's backend). Its result, a list of frozen
+  :class:`~muon_plugin.distributed.planner.ShapeGroup`, is the plan; nothing changes it;
 - the **communicator** (:mod:`~muon_plugin.distributed.communicator`): the process groups,
-  created after planning, the wire buffers and the all-to-alls, with byte/collective stats;
+  created after planning, the schedules in their rank order, the wire buffers and the
+  all-to-alls, with byte/collective stats;
 - the **executor** (:mod:`~muon_plugin.distributed.executor`): per step, gather ->
   orthogonalize on the resolved path -> return.
 
@@ -40,16 +43,16 @@ from muon_plugin.distributed.planner import (
     simulated_layouts,
 )
 from muon_plugin.distributed.report import report_rows
-from muon_plugin.distributed.schedule import WIRE_BYTES, WIRE_DTYPE, Schedule
+from muon_plugin.distributed.schedule import WIRE_BYTES, WIRE_DTYPE, ExchangeSchedule
 from muon_plugin.distributed.validation import place
 from muon_plugin.orthogonalize import MatrixSpec, validate_backend
 
 __all__ = [
     "WIRE_BYTES",
     "WIRE_DTYPE",
+    "ExchangeSchedule",
     "OrthogonalizationPlan",
     "PreparedPlan",
-    "Schedule",
     "ShapeGroup",
     "plan_orthogonalization",
     "prepare_plan",
@@ -66,12 +69,14 @@ class OrthogonalizationPlan:
 
     def __init__(
         self,
-        groups: list[ShapeGroup],
+        groups: Sequence[ShapeGroup],
         batched: bool,
         communicator: Communicator | None = None,
     ) -> None:
-        self.groups = groups
-        self.executor = None if communicator is None else Executor(groups, communicator, batched)
+        self.groups = tuple(groups)
+        self.executor = (
+            None if communicator is None else Executor(self.groups, communicator, batched)
+        )
         self.last_stats: dict[str, int] = {}
         self._phase_groups = local_phases(groups)
         self.phases: list[list[int]] = [

@@ -70,7 +70,7 @@ def _row_state_bytes(g: ShapeGroup) -> list[int]:
 def _row_send_bytes(g: ShapeGroup) -> list[int]:
     if g.rows is None:
         return [0] * g.domain.size
-    r = g.rows
+    r = g.rows.traffic
     return [a + b for a, b in zip(r.gather_send_bytes, r.back_send_bytes, strict=True)]
 
 

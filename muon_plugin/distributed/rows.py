@@ -1,7 +1,7 @@
 """The per-row state of a step (NorMuon's second moments) on its way through the executor.
 
-A shape group whose spec normalizes rows has a ``rows`` companion (see
-:func:`~muon_plugin.distributed.planner.row_group`). Per step, :class:`RowStates` gives the
+A shape group whose spec normalizes rows has a ``rows`` companion (a
+:class:`~muon_plugin.distributed.planner.RowGroup`). Per step, :class:`RowStates` gives the
 owner of each unit the unit's rows' states as an fp32 stack ``(slots, rows)``, and after the
 owner has computed the rows' factors (:func:`~muon_plugin.orthogonalize.normuon.
 normuon_factors_`, updating that stack in place) puts the states back into every local state
@@ -36,12 +36,6 @@ def row_words(state: Tensor) -> Tensor:
     return state.view(WIRE_DTYPE).view(*state.shape, ROW_WORDS)
 
 
-def rows_travel(group: ShapeGroup) -> bool:
-    """Whether any rank sends or receives ``group``'s rows (else all of them are local)."""
-    companion = group.rows
-    return companion is not None and (companion.gather_comm or companion.back_comm)
-
-
 class RowStates:
     """One step's per-row states (``rows``: per parameter, its local fp32 state or None) and
     the list ``factors`` that receives each parameter's rows' factors."""
@@ -53,7 +47,7 @@ class RowStates:
 
     def words(self, group: ShapeGroup) -> dict[int, Tensor]:
         """The group's local states as bf16 words, by parameter position (for the wire)."""
-        if group.rows is None or not rows_travel(group):
+        if group.rows is None or not group.rows.travels:
             return {}
         return {i: row_words(self._state(group, i)) for i in group.indices}
 
@@ -72,7 +66,7 @@ class RowStates:
         if companion is None or not companion.schedule.slots:
             return None
         sched = companion.schedule
-        if not rows_travel(group):
+        if not companion.travels:
             assert sched.direct is not None
             pieces = [piece(self._state(group, group.indices[k]), b) for k, b in sched.direct]
             return torch.stack(pieces)
@@ -86,10 +80,7 @@ class RowStates:
                 dsts.append(stack[slot][unit_sl])
                 srcs.append(part[piece_sl])
         if pending is not None:
-            shapes = (shape for _, shape, _ in sched.gather_recv)
-            for (slot, _, rects), part in zip(
-                sched.gather_recv, pending.pieces(1, shapes), strict=True
-            ):
+            for (slot, _, rects), part in pending.received(1):
                 for unit_sl, piece_sl in rects:
                     dsts.append(stack[slot][unit_sl])
                     srcs.append(part[piece_sl])
@@ -110,7 +101,7 @@ class RowStates:
         companion = group.rows
         if companion is None:
             return
-        if not rows_travel(group):
+        if not companion.travels:
             self._scatter_local(group, states, factor_stack)
             return
         shape = group.spec.row_shape(group.local_shape)
@@ -130,9 +121,8 @@ class RowStates:
                     dsts += [state[piece_sl], factor[piece_sl]]
                     srcs += [state_words[slot][unit_sl], factor_words[slot][unit_sl]]
         if pending is not None and sched.back_recv:
-            shapes = [shape for _, _, shape in sched.back_recv]
-            received = zip(pending.pieces(1, shapes), pending.pieces(2, shapes), strict=True)
-            for (k, local_b, _), (state, factor) in zip(sched.back_recv, received, strict=True):
+            received = zip(pending.received(1), pending.received(2), strict=True)
+            for ((k, local_b, _), state), (_, factor) in received:
                 dsts += [piece(words[group.indices[k]], local_b), piece(fresh_words[k], local_b)]
                 srcs += [state, factor]
         if dsts:
