@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from muon_plugin.functional import GroupSettings
+from muon_plugin.learning_rate import LrShapeRule
 from muon_plugin.orthogonalize import MatrixSpec, elementwise_kernels_allowed
 from muon_plugin.orthogonalize.spec import RowNormalization
 
@@ -33,13 +34,13 @@ def plain(value: Any) -> Any:
 
 
 def group_spec(group: Mapping[str, Any]) -> MatrixSpec:
-    """The orthogonalization spec of a Muon group."""
+    """The orthogonalization spec of a Muon group (its ``lr_adjust`` as the output scale)."""
     split = group["split_sizes"]
     coefficients = group["ns_coefficients"]
     return _spec(
         steps=group["ns_steps"],
         strategy=group["orthogonalization_strategy"],
-        lr_adjust=group["lr_adjust"],
+        output_scale=LrShapeRule(group["lr_adjust"]),
         flatten=group["flatten"],
         split_sizes=None if split is None else tuple(split),
         compile=group["compile"],

@@ -13,10 +13,10 @@ from muon_plugin.defaults import BACKENDS
 from muon_plugin.distributed.plan import plan_orthogonalization, simulate_plan
 from muon_plugin.distributed.report import format_report
 from muon_plugin.kernels import triton_available, use_symmetric_kernel
+from muon_plugin.learning_rate import LrShapeRule, lr_shape_factor
 from muon_plugin.orthogonalize import (
     IterationPath,
     MatrixSpec,
-    lr_shape_factor,
     orthogonalize_stack,
     resolve_path,
     zeropower,
@@ -252,7 +252,7 @@ def test_a_registered_backend_runs_through_the_plan(svd_backend):
     gen = torch.Generator().manual_seed(2)
     shapes = [(48, 32), (32, 80), (48, 32), (2, 24, 40)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    svd = MatrixSpec(backend="svd", lr_adjust="keller")
+    svd = MatrixSpec(backend="svd", output_scale=LrShapeRule("keller"))
     specs = [svd, svd, svd, MatrixSpec()]
     directions = [torch.randn(s, generator=gen) for s in shapes]
     plan = plan_orthogonalization(params, specs, names=["a", "b", "c", "experts"])

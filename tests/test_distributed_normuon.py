@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.distributed.layout import layout_of
 from muon_plugin.functional import momentum_update_
+from muon_plugin.learning_rate import LrShapeRule
 from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 from muon_plugin.orthogonalize.normuon import normuon_factors_, scale_rows
 from muon_plugin.orthogonalize.spec import RowNormalization
@@ -195,7 +196,10 @@ def scenario_local_shards_would_differ(rank: int, ws: int) -> None:
     matrix (row shards rescaled alone, row statistics of column shards) differs from NorMuon
     on the whole matrix, which the scenarios above find on every rank: so they can fail."""
     mesh = init_device_mesh(device_type(), (ws,))
-    spec = MatrixSpec(lr_adjust="keller", normalization=RowNormalization(0.9, 1e-8, "frobenius"))
+    spec = MatrixSpec(
+        output_scale=LrShapeRule("keller"),
+        normalization=RowNormalization(0.9, 1e-8, "frobenius"),
+    )
     gen = torch.Generator().manual_seed(27)
     # Rows of very different sizes: what a per-shard rescale or per-shard statistic misses.
     G = torch.randn(16, 24, generator=gen) * torch.rand(16, 1, generator=gen) * 4
@@ -204,7 +208,7 @@ def scenario_local_shards_would_differ(rank: int, ws: int) -> None:
         p = nn.Parameter(distribute_tensor(torch.zeros(16, 24), mesh, [placement]))
         p.grad = distribute_tensor(G, mesh, [placement])
         (direction,) = momentum_update_([G.clone()], [torch.zeros(16, 24)], 0.9, True)
-        ortho = orthogonalize_stack(direction[None], MatrixSpec(lr_adjust="keller"))
+        ortho = orthogonalize_stack(direction[None], MatrixSpec(output_scale=LrShapeRule("keller")))
         whole = scale_rows(ortho, normuon_factors_(ortho, torch.zeros(1, 16), spec))[0]
         local_ortho = local_piece(ortho[0], p)[None]
         rows = local_ortho.shape[1]

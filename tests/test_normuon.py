@@ -26,7 +26,8 @@ import torch
 
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.functional import momentum_update_
-from muon_plugin.orthogonalize import MatrixSpec, lr_shape_factor, orthogonalize_stack
+from muon_plugin.learning_rate import LrShapeRule
+from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack
 from muon_plugin.orthogonalize.normuon import normuon_factors_, scale_rows
 from muon_plugin.orthogonalize.spec import RowNormalization
 from muon_plugin.row_state import ROW_STATE_KEY
@@ -57,7 +58,7 @@ def reference_normuon(
         start = 0
         scales = torch.empty(m, dtype=torch.float64)
         for size in spec.split_sizes or (m,):
-            scales[start : start + size] = lr_shape_factor(size, n, spec.lr_adjust)
+            scales[start : start + size] = spec.output_scale(size, n)
             start += size
         Ou = X[b] / scales[:, None]
         q = Ou.square().mean(dim=1)
@@ -93,11 +94,11 @@ def grads_for(shape, steps, seed=0):
 def test_normuon_stage_matches_the_paper_equations(case, lr_adjust, rescale):
     shape, settings = CASES[case]
     norm = RowNormalization(beta2=BETA2, eps=EPS, rescale=rescale)
-    spec = MatrixSpec(lr_adjust=lr_adjust, normalization=norm, **settings)
+    spec = MatrixSpec(output_scale=LrShapeRule(lr_adjust), normalization=norm, **settings)
     gen = torch.Generator().manual_seed(1)
     # Two parameters of one stack; rows of very different sizes, so the division matters.
     G = torch.randn((2, *shape), generator=gen) * torch.rand((2, *shape[:-1], 1), generator=gen)
-    plain = MatrixSpec(lr_adjust=lr_adjust, **settings)
+    plain = MatrixSpec(output_scale=LrShapeRule(lr_adjust), **settings)
     ortho = orthogonalize_stack(G, plain)  # what the plan hands the stage (bf16)
     rows = spec.row_shape(shape)
     for state in ("zero", "loaded"):
@@ -115,11 +116,12 @@ def test_normuon_stage_matches_the_paper_equations(case, lr_adjust, rescale):
 def test_rows_are_dim_minus_two_as_stored():
     """A matrix and its transpose are different NorMuon problems: the rows of a (m, n)
     parameter are its m output features, whatever the layout the model uses it in."""
-    spec = MatrixSpec(normalization=RowNormalization(0.95, 1e-8, "frobenius"))
+    keller = LrShapeRule("keller")
+    spec = MatrixSpec(output_scale=keller, normalization=RowNormalization(0.95, 1e-8, "frobenius"))
     gen = torch.Generator().manual_seed(2)
     G = torch.randn(1, 12, 30, generator=gen) * torch.rand(1, 12, 1, generator=gen)
-    ortho = orthogonalize_stack(G, MatrixSpec())
-    Ot = orthogonalize_stack(G.mT.contiguous(), MatrixSpec())
+    ortho = orthogonalize_stack(G, MatrixSpec(output_scale=keller))
+    Ot = orthogonalize_stack(G.mT.contiguous(), MatrixSpec(output_scale=keller))
     U = scale_rows(ortho, normuon_factors_(ortho, torch.zeros(1, 12), spec))
     Ut = scale_rows(Ot, normuon_factors_(Ot, torch.zeros(1, 30), spec))
     ref, _ = reference_normuon(ortho[0], torch.zeros(12), spec, 0.95, 1e-8, "frobenius")
@@ -131,9 +133,10 @@ def test_the_row_rescale_is_per_block_not_per_matrix():
     """Fused QKV: each projection block is rescaled on its own (its own lr factor and norm);
     one rescale over the whole fused matrix gives another update."""
     norm = RowNormalization(0.95, 1e-8, "rms")
-    split = MatrixSpec(split_sizes=(16, 4, 4), normalization=norm, lr_adjust="match_rms_adamw")
+    rule = LrShapeRule("match_rms_adamw")
+    split = MatrixSpec(split_sizes=(16, 4, 4), normalization=norm, output_scale=rule)
     G = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(3))
-    ortho = orthogonalize_stack(G, MatrixSpec(split_sizes=(16, 4, 4), lr_adjust="match_rms_adamw"))
+    ortho = orthogonalize_stack(G, MatrixSpec(split_sizes=(16, 4, 4), output_scale=rule))
     U = scale_rows(ortho, normuon_factors_(ortho, torch.zeros(1, 24), split))
     for rows in (slice(0, 16), slice(16, 20), slice(20, 24)):
         rms = U[0, rows].square().mean().sqrt().item()
@@ -175,7 +178,7 @@ def run_against_reference(driver, case, lr_adjust, rescale, steps=3, loaded=None
     kwargs = dict(lr=1.0, wd=0.0, momentum=MOMENTUM, lr_adjust=lr_adjust)
     norm = dict(normalization="normuon", normuon_beta2=BETA2, normuon_eps=EPS)
     opt = driver([group], **kwargs, **norm, normuon_rescale=rescale)
-    spec = MatrixSpec(lr_adjust=lr_adjust, **settings)
+    spec = MatrixSpec(output_scale=LrShapeRule(lr_adjust), **settings)
     rows = spec.row_shape(shape)
     v = torch.zeros(rows, dtype=torch.float64)
     if loaded is not None:  # a resumed state: momentum and second moment from a checkpoint

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from muon_plugin import Muon, MuonForeach
-from muon_plugin.orthogonalize import lr_shape_factor, zeropower
+from muon_plugin.learning_rate import lr_shape_factor
+from muon_plugin.orthogonalize import zeropower
 
 DRIVERS = [Muon, MuonForeach]
 

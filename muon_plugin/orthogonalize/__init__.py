@@ -3,12 +3,11 @@
 Pure functions, no optimizer state. The modules, bottom up (each imports only those above it,
 :mod:`muon_plugin.kernels` and :mod:`muon_plugin.defaults`):
 
-- :mod:`~muon_plugin.orthogonalize.coefficients`: coefficient schedules of the strategies and
-  the learning-rate shape rule;
+- :mod:`~muon_plugin.orthogonalize.coefficients`: coefficient schedules of the strategies;
 - :mod:`~muon_plugin.orthogonalize.iterations`: the iterations (:func:`iterate`,
   :func:`iterate_gram`, :class:`Normalization`) on an explicit :class:`IterationPath`;
 - :mod:`~muon_plugin.orthogonalize.spec`: :class:`MatrixSpec` and the walk over a stack of
-  whole updates (flattening, row blocks, the lr shape factor);
+  whole updates (flattening, row blocks, the output scale of each block);
 - :mod:`~muon_plugin.orthogonalize.paths`: :class:`ResolvedPath` and the rules that choose one;
 - :mod:`~muon_plugin.orthogonalize.graphs`: CUDA-graphed stacks;
 - :mod:`~muon_plugin.orthogonalize.backends`: the registry of named backends (``"auto"``,
@@ -37,7 +36,6 @@ from muon_plugin.orthogonalize.coefficients import (
     Coefficients,
     Schedule,
     coefficient_schedule,
-    lr_shape_factor,
     validate_coefficients,
     validate_steps,
 )
@@ -86,7 +84,6 @@ __all__ = [
     "iterate",
     "iterate_gram",
     "iteration_path",
-    "lr_shape_factor",
     "orthogonalize_stack",
     "register_backend",
     "resolve_path",

@@ -65,15 +65,16 @@ def orthogonalize_stack(
     overwrite_input: bool = False,
     path: ResolvedPath | None = None,
 ) -> Tensor:
-    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
+    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the spec.
 
     ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
     buffer, which is then normalized in place). Returns a bf16 tensor ``(B, *param_shape)``.
-    Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
-    ``param -= lr * result`` is the Muon update. ``out_dtype`` casts the whole stack once (one
-    launch), which keeps the later multi-tensor update on its fast single-dtype path.
-    ``overwrite_input`` lets a bf16 tensor ``X`` be used as that scratch buffer. The path is
-    resolved by ``spec.backend`` for this stack (eagerly: graphs are the plan's), unless given.
+    Each matrix (or row block) is scaled by the spec's :meth:`~MatrixSpec.block_scale` of its
+    own shape (the optimizer's learning-rate shape factor; 1 without ``output_scale``).
+    ``out_dtype`` casts the whole stack once (one launch), which keeps the later multi-tensor
+    update on its fast single-dtype path. ``overwrite_input`` lets a bf16 tensor ``X`` be used
+    as that scratch buffer. The path is resolved by ``spec.backend`` for this stack (eagerly:
+    graphs are the plan's), unless given.
     """
     if path is None:
         path = resolve_stack(X, spec)

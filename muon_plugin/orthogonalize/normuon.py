@@ -2,8 +2,9 @@
 
 The stage runs where a whole matrix is: on the rank that orthogonalized it, between the
 orthogonalization and the update. For each matrix ``O`` of a stack (``m x n``, already scaled by
-the learning-rate shape factor ``s`` of its row block, as :func:`~muon_plugin.orthogonalize.
-spec.run_stack` returns it), with the per-row second moment ``v`` (``m`` floats, fp32):
+the spec's output scale ``s`` of its row block, the optimizer's learning-rate shape factor, as
+:func:`~muon_plugin.orthogonalize.spec.run_stack` returns it), with the per-row second moment
+``v`` (``m`` floats, fp32):
 
 1. ``q_r = mean_c (O_rc / s)^2``: the mean square of row ``r`` of the unscaled update;
 2. ``v_r <- beta2 * v_r + (1 - beta2) * q_r`` (no bias correction);
@@ -19,8 +20,8 @@ pass). The factors, not ``U``, leave this stage: the update step multiplies each
 factor as it applies the update (one fp32 product, fused into its kernel on GPUs), so no pass
 writes ``U``. The rows are dim -2 of each matrix as stored (a ``torch.nn.Linear`` weight's output
 features; each expert's matrix of a 3-D stack; a flattened parameter's dim 0). ``v`` is kept in
-the unscaled units of the paper, so it does not depend on ``lr_adjust``. A matrix whose
-normalized update is zero (a zero gradient) gets a zero update, not ``0/0``.
+the unscaled units of the paper, so it does not depend on the scale (``lr_adjust``). A matrix
+whose normalized update is zero (a zero gradient) gets a zero update, not ``0/0``.
 
 Every statistic of a matrix is reduced over that matrix alone, so its factors depend only on
 its own data, not on the stack it is in or the layout of its parameter.
@@ -31,7 +32,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muon_plugin.orthogonalize.coefficients import lr_shape_factor
 from muon_plugin.orthogonalize.spec import MatrixSpec, RowNormalization
 
 __all__ = ["normuon_factors_", "row_factors_", "scale_rows"]
@@ -79,7 +79,7 @@ def row_factors_(
     """Steps 1-4 on the rows' sums of squares ``||O_r||^2`` (``(S, m)``, fp32, overwritten):
     update ``v`` in place and return each row's factor ``d_r * c / ||O^||_F`` (``(S, m)``).
 
-    ``blocks``: ``(first row, rows, lr shape factor)`` of each row block.
+    ``blocks``: ``(first row, rows, output scale)`` of each row block.
     """
     q = sum_sq
     for start, size, factor in blocks:
@@ -101,10 +101,10 @@ def row_factors_(
 
 
 def _blocks(spec: MatrixSpec, m: int, n: int) -> list[tuple[int, int, float]]:
-    """``(first row, rows, lr shape factor)`` of each row block of an ``m x n`` matrix."""
+    """``(first row, rows, output scale)`` of each row block of an ``m x n`` matrix."""
     out, start = [], 0
     for size in spec.split_sizes or (m,):
-        out.append((start, size, lr_shape_factor(size, n, spec.lr_adjust)))
+        out.append((start, size, spec.block_scale(size, n)))
         start += size
     if start != m:
         raise ValueError(f"split_sizes {spec.split_sizes} do not add up to {m} rows")

@@ -9,7 +9,7 @@ from typing import Any
 
 from muon_plugin.defaults import DEFAULTS
 from muon_plugin.group_settings import group_spec
-from muon_plugin.orthogonalize import lr_shape_factor
+from muon_plugin.learning_rate import lr_shape_factor
 
 
 def muon_lr_range(group: Mapping[str, Any]) -> tuple[float, float] | None:
@@ -21,7 +21,7 @@ def muon_lr_range(group: Mapping[str, Any]) -> tuple[float, float] | None:
         return None
     spec = group_spec(group)
     factors = [
-        lr_shape_factor(*spec.matrix_view(tuple(p.shape))[1:], spec.lr_adjust)
+        lr_shape_factor(*spec.matrix_view(tuple(p.shape))[1:], group["lr_adjust"])
         for p in group["params"]
     ]
     return group["lr"] * min(factors), group["lr"] * max(factors)
