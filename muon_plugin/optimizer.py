@@ -7,7 +7,8 @@ Each param group picks its algorithm with the ``"algorithm"`` key (``"muon"`` de
 2. Muon groups run :func:`muon_plugin.functional.muon` on the local shards of every Muon
    parameter with a gradient: momentum, orthogonalization through one cached
    :class:`~muon_plugin.distributed.plan.OrthogonalizationPlan` (which assembles whole
-   matrices, orthogonalizes them and returns the local shards), weight decay and update.
+   matrices, orthogonalizes them and returns the local shards; cached by
+   :class:`~muon_plugin.plan_cache.PlanCache`), weight decay and update.
 
 The classes are drivers: they gather the lists from param groups and state, create the state,
 cache the plan, and keep their configuration through copies
@@ -25,21 +26,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from muon_plugin import functional
 from muon_plugin.adam import adam_step
 from muon_plugin.copies import CopyableOptimizer
 from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
-from muon_plugin.distributed.plan import OrthogonalizationPlan, PreparedPlan, prepare_plan
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
-from muon_plugin.group_settings import (
-    agreed_settings,
-    group_settings,
-    group_spec,
-)
+from muon_plugin.group_settings import group_settings, group_spec
 from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import describe, local, names_by_id
+from muon_plugin.parameters import describe, local
+from muon_plugin.plan_cache import PlanCache
 from muon_plugin.row_state import ROW_STATE_KEY, check_row_state, restore_row_state, zero_row_state
 from muon_plugin.state_dict import (
     check_group_sizes,
@@ -199,9 +195,7 @@ class Muon(CopyableOptimizer):
             normuon_rescale=normuon_rescale,
             **named,
         )
-        self._plan: OrthogonalizationPlan | None = None
-        self._prepared: PreparedPlan | None = None
-        self._plan_key: tuple | None = None
+        self._plans = PlanCache()
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
@@ -215,9 +209,7 @@ class Muon(CopyableOptimizer):
 
     def _forget_plan(self) -> None:
         """Drop the cached plan: the next step builds it again."""
-        self._plan = None
-        self._prepared = None
-        self._plan_key = None
+        self._plans = PlanCache()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking its keys, values and parameters (errors name them)."""
@@ -280,7 +272,13 @@ class Muon(CopyableOptimizer):
             [local(p.grad) for p in params],
             momenta,
             settings,
-            self._orthogonalization_plan(params, specs),
+            self._plans.get(
+                params,
+                specs,
+                self.param_groups,
+                batched=self.batched,
+                replicate_group=self.replicate_group,
+            ),
             foreach=self.batched,
             skip_nonfinite=self.skip_nonfinite,
             storage=self.momentum_storage,
@@ -320,38 +318,6 @@ class Muon(CopyableOptimizer):
             buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["momentum_buffer"] = buf
         return buf
-
-    def _orthogonalization_plan(
-        self, params: list[Tensor], specs: list[MatrixSpec]
-    ) -> OrthogonalizationPlan:
-        """The cached plan for this set of parameters, layouts and specs (rebuilt on change).
-
-        The ranks of every mesh check at every step that they give the same parameters
-        (:mod:`~muon_plugin.distributed.agreement`), before any of them rebuilds: a gradient
-        that is None on some ranks only ends on every rank in an error naming the parameter.
-        """
-        key = tuple(
-            (id(p), p.shape, p.placements if isinstance(p, DTensor) else None, spec)
-            for p, spec in zip(params, specs, strict=True)
-        )
-        if key != self._plan_key:
-            # Names and settings, which the ranks of a mesh must agree on.
-            names = names_by_id(self.param_groups)
-            settings = {id(p): agreed_settings(g) for g in self.param_groups for p in g["params"]}
-            self._prepared = prepare_plan(
-                params,
-                specs,
-                batched=self.batched,
-                names=[names[id(p)] for p in params],
-                replicate_group=self.replicate_group,
-                settings=[settings[id(p)] for p in params],
-            )
-            self._plan, self._plan_key = None, key
-        assert self._prepared is not None
-        self._prepared.agreement.verify()
-        if self._plan is None:
-            self._plan = self._prepared.build()
-        return self._plan
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -406,7 +372,8 @@ class Muon(CopyableOptimizer):
 
     def plan_report(self) -> list[dict[str, Any]]:
         """The distributed orthogonalization plan, per shape group (empty before the first step)."""
-        return self._plan.report() if self._plan is not None else []
+        plan = self._plans.plan
+        return plan.report() if plan is not None else []
 
     def format_plan_report(self) -> str:
         """``plan_report`` as a text table, for logging once at start-up."""

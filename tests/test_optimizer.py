@@ -353,6 +353,6 @@ def test_phases_give_the_same_step(driver, monkeypatch):
     for step in range(3):
         set_grads(b, step)
         phased.step()
-    assert len(phased._plan.phases) > 1 and len(one_pass._plan.phases) == 1
+    assert len(phased._plans.plan.phases) > 1 and len(one_pass._plans.plan.phases) == 1
     for p, q in zip(a, b, strict=True):
         assert torch.equal(p, q)
