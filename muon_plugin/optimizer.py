@@ -33,7 +33,8 @@ from muon_plugin.copies import CopyableOptimizer
 from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
 from muon_plugin.group_settings import group_settings, group_spec
-from muon_plugin.orthogonalize import MatrixSpec
+from muon_plugin.kernels.tuning_cache import read_tuning_settings
+from muon_plugin.orthogonalize import MatrixSpec, environment_overrides
 from muon_plugin.parameters import describe, local
 from muon_plugin.plan_cache import PlanCache
 from muon_plugin.row_state import ROW_STATE_KEY, check_row_state, restore_row_state, zero_row_state
@@ -118,7 +119,16 @@ class Muon(CopyableOptimizer):
     batched = False
     """Run stages 1 and 3 on whole groups and stack same-shape orthogonalizations."""
 
-    config_attributes: tuple[str, ...] = ("replicate_group", "skip_nonfinite", "skipped_updates")
+    config_attributes: tuple[str, ...] = (
+        "replicate_group",
+        "skip_nonfinite",
+        "skipped_updates",
+        "backend_overrides",
+    )
+    backend_overrides: frozenset[str] = frozenset()
+    """The features the environment switched off when this optimizer was built
+    (:func:`~muon_plugin.orthogonalize.environment_overrides`), folded into every group's
+    backend name."""
     shared_attributes: tuple[str, ...] = ("replicate_group",)
 
     momentum_state_keys: tuple[str, ...] = ("momentum_buffer",)
@@ -199,6 +209,9 @@ class Muon(CopyableOptimizer):
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
+        # Read once: nothing reads the environment while a step runs.
+        self.backend_overrides = environment_overrides()
+        read_tuning_settings()
         for key in NUMBER_KEYS:  # before the params are read, as torch.optim does
             validate_number(key, defaults[key])
         super().__init__(params, defaults)
@@ -259,10 +272,10 @@ class Muon(CopyableOptimizer):
             if not ps:
                 continue
             check_grad_layouts(group, ps)
-            spec = group_spec(group)
+            spec = group_spec(group, self.backend_overrides)
             params += ps
             specs += [spec] * len(ps)
-            settings.append(group_settings(group, len(ps)))
+            settings.append(group_settings(group, len(ps), self.backend_overrides))
             momenta += self._momentum_states(group, ps)
             rows += self._row_states(group, ps, spec)
         if not params:

@@ -875,8 +875,7 @@ def optimizer_rows(cfg: Config) -> list[Row]:
         Row(
             "MuonForeach, no Gram space",
             "ours",
-            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
-            context=lambda: env_var("MUON_PLUGIN_DISABLE_GRAM", "1"),
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, backend="auto:no-gram"),
         ),
         Row(  # the "eager" backend: what a run short of memory chooses
             "MuonForeach, no CUDA graphs",

@@ -130,8 +130,9 @@ class MuonConfig:
     'eager' (the same without CUDA graphs: less memory kept between steps on models of many
     small matrices, slower there), 'cublas' ('auto' without Triton kernels), 'plain' (the plain
     bf16 loop on torch matmuls, the reference), or a name registered with
-    muon_plugin.orthogonalize.register_backend. The plan logged after the first step shows the
-    path of every shape group."""
+    muon_plugin.orthogonalize.register_backend; ':no-<feature>' modifiers take features away,
+    e.g. 'auto:no-gram,no-tma' (features: triton, gram, half, graphs, tma). The plan logged
+    after the first step shows the backend and the path of every shape group."""
 
     skip_nonfinite: bool = SKIP_NONFINITE
     """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
@@ -290,11 +291,15 @@ class MuonConfig:
             expected = option_problem(f.name, value, f.type)
             if expected is not None:
                 raise invalid_value(_PREFIX + f.name, value, expected)
-        from muon_plugin.orthogonalize import backend_names
+        from muon_plugin.orthogonalize import backend_names, validate_backend
 
-        if self.backend not in backend_names():
+        try:
+            validate_backend(self.backend)
+        except ValueError as e:
             expected = "one of " + ", ".join(map(repr, backend_names()))
-            raise invalid_value(_PREFIX + "backend", self.backend, expected)
+            if ":" in str(self.backend):
+                expected += f", with modifiers such as 'auto:no-gram' ({e})"
+            raise invalid_value(_PREFIX + "backend", self.backend, expected) from None
         self.rules()
 
     def rules(self) -> RuleSet:
