@@ -12,10 +12,11 @@ Pure functions, no optimizer state. The modules, bottom up (each imports only th
 - :mod:`~muon_plugin.orthogonalize.graphs`: CUDA-graphed stacks;
 - :mod:`~muon_plugin.orthogonalize.backends`: the registry of named backends (``"auto"``,
   ``"cublas"``, ``"plain"``, :func:`register_backend`), resolved once per shape group;
-- :mod:`~muon_plugin.orthogonalize.api`: :func:`zeropower` and :func:`orthogonalize_stack`.
+- :mod:`~muon_plugin.orthogonalize.api`: :func:`zeropower` and :func:`orthogonalize_stack`,
+  and :func:`resolve_path` / :func:`run_path` (the plan's: once per shape group, every step).
 """
 
-from muon_plugin.orthogonalize.api import orthogonalize_stack, zeropower
+from muon_plugin.orthogonalize.api import orthogonalize_stack, resolve_path, run_path, zeropower
 from muon_plugin.orthogonalize.backends import (
     Backend,
     IterationBackend,
@@ -24,8 +25,6 @@ from muon_plugin.orthogonalize.backends import (
     elementwise_kernels_allowed,
     get_backend,
     register_backend,
-    resolve_path,
-    run_path,
     validate_backend,
     with_overrides,
 )

@@ -55,10 +55,9 @@ from muon_plugin.orthogonalize.paths import (
     FEATURE_NAMES,
     Features,
     ResolvedPath,
-    environment_overrides,
     iteration_path,
 )
-from muon_plugin.orthogonalize.spec import MatrixSpec, run_stack, stack_shape
+from muon_plugin.orthogonalize.spec import MatrixSpec, run_stack
 
 Stack = Tensor | Sequence[Tensor]
 
@@ -376,53 +375,6 @@ def with_overrides(name: str, off: frozenset[str]) -> str:
     if off <= own:
         return name
     return canonical_backend(f"{base}:" + ",".join(f"no-{f}" for f in sorted(own | off)))
-
-
-def resolve_path(
-    shape: tuple[int, ...],
-    stack: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    spec: MatrixSpec,
-    graphs: bool = True,
-) -> ResolvedPath:
-    """The path of ``spec.backend`` for stacks of ``stack`` units of ``shape`` on ``device``;
-    without ``graphs``, for stacks that will run eagerly."""
-    backend = get_backend(spec.backend)
-    if not graphs:
-        backend = backend.without_graphs()
-    path = backend.resolve(tuple(shape), stack, device, dtype, spec)
-    return replace(path if graphs else path.eager(), backend=spec.backend)
-
-
-def resolve_stack(X: Stack, spec: MatrixSpec) -> ResolvedPath:
-    """The (eager) path of a one-off stack ``X`` (``B, *shape``), with the environment's
-    overrides (read now)."""
-    first = X if isinstance(X, Tensor) else X[0]
-    shape = stack_shape(X)
-    spec = replace(spec, backend=with_overrides(spec.backend, environment_overrides()))
-    return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec, graphs=False)
-
-
-def run_path(
-    path: ResolvedPath,
-    X: Stack,
-    spec: MatrixSpec,
-    out_dtype: torch.dtype | None = None,
-    *,
-    overwrite_input: bool = False,
-) -> Tensor:
-    """Run the stack ``X`` on an already resolved ``path`` (eagerly)."""
-    backend = get_backend(path.backend)
-    return backend.run(path, X, spec, out_dtype, overwrite_input=overwrite_input)
-
-
-def iteration_backend(name: str) -> IterationBackend:
-    """The built-in (iterating) backend ``name``; TypeError for a backend that does not iterate."""
-    backend = get_backend(name)
-    if not isinstance(backend, IterationBackend):
-        raise TypeError(f"backend {name!r} does not run the iteration (zeropower needs one)")
-    return backend
 
 
 def elementwise_kernels_allowed(name: str) -> bool:
