@@ -35,9 +35,9 @@ from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
 from muon_plugin.group_settings import group_settings, group_spec
 from muon_plugin.kernels.tuning_cache import read_tuning_settings
 from muon_plugin.orthogonalize import MatrixSpec, environment_overrides
-from muon_plugin.parameters import describe, local
+from muon_plugin.parameters import local
 from muon_plugin.plan_cache import PlanCache
-from muon_plugin.row_state import ROW_STATE_KEY, check_row_state, restore_row_state, zero_row_state
+from muon_plugin.row_state import ROW_STATE_KEY, group_row_states, restore_row_state
 from muon_plugin.state_dict import (
     check_group_sizes,
     fill_missing_settings,
@@ -277,7 +277,7 @@ class Muon(CopyableOptimizer):
             specs += [spec] * len(ps)
             settings.append(group_settings(group, len(ps), self.backend_overrides))
             momenta += self._momentum_states(group, ps)
-            rows += self._row_states(group, ps, spec)
+            rows += group_row_states(self.state, group, ps, spec)
         if not params:
             return
         skipped = functional.muon(
@@ -303,25 +303,6 @@ class Muon(CopyableOptimizer):
         """The momentum of ``ps`` (Muon params with grads) as :attr:`momentum_storage` takes
         it, created (zero) if missing: here the local momentum buffers."""
         return [local(self._momentum_buffer(p)) for p in ps]
-
-    def _row_states(
-        self, group: dict[str, Any], ps: list[Tensor], spec: MatrixSpec
-    ) -> list[Tensor | None]:
-        """NorMuon's local per-row states of ``ps`` (created zero if missing), or Nones when the
-        group does not normalize rows."""
-        if spec.normalization is None:
-            return [None] * len(ps)
-        out: list[Tensor | None] = []
-        for p in ps:
-            state = self.state[p]
-            if ROW_STATE_KEY not in state:
-                state[ROW_STATE_KEY] = zero_row_state(p, spec)
-            try:
-                out.append(check_row_state(p, state[ROW_STATE_KEY], spec))
-            except ValueError as e:
-                i = next(i for i, q in enumerate(group["params"]) if q is p)
-                raise ValueError(f"the state of {describe(group, i, p)}: {e}") from None
-        return out
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]

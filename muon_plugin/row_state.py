@@ -13,6 +13,7 @@ the plan carries each matrix's rows to its owner and back every step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from muon_plugin.distributed.layout import normalize_placements, row_placements
 from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import local
+from muon_plugin.parameters import describe, local
 from muon_plugin.state_layout import like_param, match_layout
 
 ROW_STATE_KEY = "normuon_second_moment"
@@ -70,3 +71,27 @@ def restore_row_state(p: Tensor, saved: Tensor, spec: MatrixSpec) -> Tensor:
         )
     placements = row_state_placements(p, spec) if isinstance(p, DTensor) else None
     return match_layout(p, saved.to(torch.float32), placements)
+
+
+def group_row_states(
+    state: MutableMapping[Tensor, dict[str, Any]],
+    group: Mapping[str, Any],
+    ps: list[Tensor],
+    spec: MatrixSpec,
+) -> list[Tensor | None]:
+    """The local per-row states of ``ps`` (Muon parameters of ``group`` with gradients), each
+    created zero where ``state`` (the optimizer's) has none and checked against its parameter;
+    Nones when the group does not normalize rows."""
+    if spec.normalization is None:
+        return [None] * len(ps)
+    out: list[Tensor | None] = []
+    for p in ps:
+        entry = state[p]
+        if ROW_STATE_KEY not in entry:
+            entry[ROW_STATE_KEY] = zero_row_state(p, spec)
+        try:
+            out.append(check_row_state(p, entry[ROW_STATE_KEY], spec))
+        except ValueError as e:
+            i = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise ValueError(f"the state of {describe(group, i, p)}: {e}") from None
+    return out
