@@ -12,7 +12,7 @@ Layers, lowest first:
 - :mod:`~muon_plugin.lp.formats`: formats by ``state_dtype``, the choice per parameter;
 - :mod:`~muon_plugin.lp.checkpoint`: loading saved momentum of any format;
 - :mod:`~muon_plugin.lp.momentum`: stage 1 of a step, batched by shape;
-- :mod:`~muon_plugin.lp.optimizer`: the :class:`MuonLP` optimizer.
+- :mod:`~muon_plugin.lp.muon_lp`: the :class:`MuonLP` optimizer.
 
 int8 and fp8 need torchao (the ``lp`` extra), imported only when they run.
 """
@@ -33,7 +33,7 @@ from muon_plugin.lp.fp8 import Fp8Codec
 from muon_plugin.lp.int4 import Int4Codec
 from muon_plugin.lp.int8 import Int8Codec
 from muon_plugin.lp.momentum import QUANTIZED, QuantizedMomentum
-from muon_plugin.lp.optimizer import MuonLP
+from muon_plugin.lp.muon_lp import MuonLP
 
 __all__ = [
     "CODECS",

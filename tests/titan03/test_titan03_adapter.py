@@ -187,9 +187,9 @@ def test_importing_changes_nothing_until_activated() -> None:
         from torchtitan.models.common import attention
         before = (u.device_type, d.set_pg_timeouts, flex._validate_device,
                   attention.FlexAttention._compiled_flex_attn)
-        import muon_plugin.torchtitan, muon_plugin.torchtitan.cpu
+        import muon_plugin.torchtitan, muon_plugin.torchtitan.cpu_mode
         import muon_plugin.torchtitan03, muon_plugin.torchtitan03.container
-        import muon_plugin.torchtitan03.configs, muon_plugin.torchtitan03.cpu
+        import muon_plugin.torchtitan03.configs, muon_plugin.torchtitan03.cpu_mode
         import muon_plugin.torchtitan03.override, muon_plugin.torchtitan03.train
         after = (u.device_type, d.set_pg_timeouts, flex._validate_device,
                  attention.FlexAttention._compiled_flex_attn)

@@ -5,7 +5,7 @@ Without an accelerator it
 
 1. switches ``device_type`` / ``device_module`` to the CPU in every loaded torchtitan module
    and makes FSDP2 reduce with plain ``SUM`` (gloo has no ``PREMUL_SUM``): the same shims as
-   for torchtitan 0.2.2, :mod:`muon_plugin.torchtitan.cpu`;
+   for torchtitan 0.2.2, :mod:`muon_plugin.torchtitan.cpu_mode`;
 2. runs FlexAttention (the only attention 0.3's language models offer besides flash-based
    ``varlen``) eagerly: torch refuses FlexAttention's backward on CPU tensors
    (``_validate_device``) and inductor has no CPU backward for it, but the eager
@@ -64,7 +64,7 @@ def apply() -> bool:
     Returns True when the CPU mode is (now) active, False when an accelerator exists.
     """
     global _applied
-    from muon_plugin.torchtitan import cpu as cpu_common
+    from muon_plugin.torchtitan import cpu_mode as cpu_common
 
     if _applied:
         return True
