@@ -160,13 +160,15 @@ def prepare_plan(
     agreement = Agreement(
         params,
         names,
-        [domain for domain, _ in placed],
+        [q.domain for q in placed],
         [(spec, more) for spec, more in zip(specs, extra, strict=True)],
         {"batched": batched},
     )
     layouts = [
-        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, local(p).device, specs[i])
-        for i, (p, (domain, layout)) in enumerate(zip(params, placed, strict=True))
+        ParamLayout(
+            names[i], tuple(p.shape), p.dtype, q.domain, q.layout, local(p).device, specs[i]
+        )
+        for i, (p, q) in enumerate(zip(params, placed, strict=True))
     ]
     return PreparedPlan(layouts, agreement, batched)
 

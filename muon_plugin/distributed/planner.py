@@ -32,7 +32,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,6 +57,13 @@ class ParamLayout:
     spec: MatrixSpec
 
 
+class SlotRange(NamedTuple):
+    """Consecutive slots of a stack: the first and how many."""
+
+    first: int
+    count: int
+
+
 @dataclass(frozen=True, eq=False)
 class RowGroup(GroupUnits):
     """The companion of a shape group that moves its per-row state (NorMuon): shape
@@ -72,9 +79,9 @@ class RowGroup(GroupUnits):
     traffic: Traffic
     gather_comm: bool
     back_comm: bool
-    local_slots: tuple[tuple[int, int], ...]
-    """Without traffic: per parameter, ``(first slot, slots)`` of its local units in this
-    rank's stack (it owns all of them, consecutive, in order); ``(0, 0)``: none held."""
+    local_slots: tuple[SlotRange, ...]
+    """Without traffic: per parameter, the slots of its local units in this rank's stack (it
+    owns all of them, consecutive, in order); ``(0, 0)``: none held."""
 
     @property
     def travels(self) -> bool:
@@ -255,9 +262,9 @@ def _row_group(group: GroupUnits, spec: MatrixSpec, owners: tuple[int, ...]) -> 
     )
 
 
-def _local_slots(rows: GroupUnits, schedule: ExchangeSchedule) -> tuple[tuple[int, int], ...]:
-    """``(first slot, slots)`` per parameter of a companion whose units are all owned where
-    they are held: unit order keeps each parameter's local units consecutive and in order."""
+def _local_slots(rows: GroupUnits, schedule: ExchangeSchedule) -> tuple[SlotRange, ...]:
+    """The slots of each parameter of a companion whose units are all owned where they are
+    held: unit order keeps each parameter's local units consecutive and in order."""
     direct = schedule.direct
     if direct is None:
         raise ValueError(f"internal error: the rows of {rows.names[0]!r} need traffic")
@@ -268,7 +275,7 @@ def _local_slots(rows: GroupUnits, schedule: ExchangeSchedule) -> tuple[tuple[in
     for k, slots in enumerate(taken):
         if slots and slots != list(range(slots[0], slots[0] + len(slots))):
             raise ValueError(f"internal error: the rows of {rows.names[k]!r} are not consecutive")
-        out.append((slots[0], len(slots)) if slots else (0, 0))
+        out.append(SlotRange(slots[0], len(slots)) if slots else SlotRange(0, 0))
     return tuple(out)
 
 

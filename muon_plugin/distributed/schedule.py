@@ -270,9 +270,14 @@ class _Builder:
         return Traffic(*(tuple(traffic[name]) for name in EXCHANGES))
 
 
-def schedule_units(
-    group: GroupUnits, owners: Sequence[int], holdings: Holdings
-) -> tuple[ExchangeSchedule, Traffic]:
+class GroupSchedule(NamedTuple):
+    """This rank's schedule for a group, and the group's traffic on every rank."""
+
+    schedule: ExchangeSchedule
+    traffic: Traffic
+
+
+def schedule_units(group: GroupUnits, owners: Sequence[int], holdings: Holdings) -> GroupSchedule:
     """This rank's :class:`ExchangeSchedule` for ``group`` whose units have ``owners``, and the
     group's per-rank :class:`Traffic`."""
     builder = _Builder(group, owners, holdings)
@@ -294,7 +299,7 @@ def schedule_units(
         by_peer=by_peer,
         **laid,
     )
-    return schedule, traffic
+    return GroupSchedule(schedule, traffic)
 
 
 def _rects(layout: Layout, j: int, unit_dims: tuple[int, ...]) -> tuple[Rect, ...]:
