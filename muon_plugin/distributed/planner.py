@@ -40,7 +40,7 @@ from muon_plugin.distributed.groups import Domain
 from muon_plugin.distributed.layout import Layout, LayoutError, layout_of, row_placements
 from muon_plugin.distributed.owners import assign_owners
 from muon_plugin.distributed.schedule import ExchangeSchedule, Traffic, schedule_units
-from muon_plugin.distributed.units import GroupUnits, group_units, holdings
+from muon_plugin.distributed.units import GroupUnits, Holdings, group_units, holdings
 from muon_plugin.orthogonalize import MatrixSpec, ResolvedPath, resolve_path
 
 
@@ -156,47 +156,54 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
     units = [_units(params, idx) for idx in members]
     held = [holdings(u) for u in units]
     owners = assign_owners(units, held)
-    out = []
-    for idx, group_units_, group_held, group_owners in zip(
-        members, units, held, owners, strict=True
-    ):
-        first = params[idx[0]]
-        schedule, traffic = schedule_units(group_units_, group_owners, group_held)
-        rows = None
-        if first.spec.normalization is not None:
-            rows = _row_group(group_units_, first.spec, group_owners)
-            traffic = traffic.plus(rows.traffic)
-        matrices = [0] * first.domain.size
-        flops = [0.0] * first.domain.size
-        for o in group_owners:
-            matrices[o] += 1
-            flops[o] += group_units_.unit_flops
-        stack = len(schedule.slots) if batched else 1
-        path = resolve_path(
-            group_units_.unit_shape, stack, first.device, first.dtype, first.spec, batched
-        )
-        out.append(
-            ShapeGroup(
-                **group_units_.unit_fields(),
-                dtype=first.dtype,
-                spec=first.spec,
-                device=first.device,
-                indices=tuple(idx),
-                owners=group_owners,
-                matrices_per_rank=tuple(matrices),
-                flops_per_rank=tuple(flops),
-                gather_send_bytes=traffic.gather_send_bytes,
-                gather_recv_bytes=traffic.gather_recv_bytes,
-                back_send_bytes=traffic.back_send_bytes,
-                back_recv_bytes=traffic.back_recv_bytes,
-                gather_comm=traffic.gather_comm,
-                back_comm=traffic.back_comm,
-                schedule=schedule,
-                path=path,
-                rows=rows,
-            )
-        )
-    return out
+    return [
+        _shape_group(params, idx, group, group_held, group_owners, batched)
+        for idx, group, group_held, group_owners in zip(members, units, held, owners, strict=True)
+    ]
+
+
+def _shape_group(
+    params: Sequence[ParamLayout],
+    idx: list[int],
+    units: GroupUnits,
+    held: Holdings,
+    owners: tuple[int, ...],
+    batched: bool,
+) -> ShapeGroup:
+    """The plan of the shape group of the parameters at ``idx``, whose ``units`` (held as
+    ``held``) have ``owners``."""
+    first = params[idx[0]]
+    schedule, traffic = schedule_units(units, owners, held)
+    rows = None
+    if first.spec.normalization is not None:
+        rows = _row_group(units, first.spec, owners)
+        traffic = traffic.plus(rows.traffic)
+    matrices = [0] * first.domain.size
+    flops = [0.0] * first.domain.size
+    for o in owners:
+        matrices[o] += 1
+        flops[o] += units.unit_flops
+    stack = len(schedule.slots) if batched else 1
+    path = resolve_path(units.unit_shape, stack, first.device, first.dtype, first.spec, batched)
+    return ShapeGroup(
+        **units.unit_fields(),
+        dtype=first.dtype,
+        spec=first.spec,
+        device=first.device,
+        indices=tuple(idx),
+        owners=owners,
+        matrices_per_rank=tuple(matrices),
+        flops_per_rank=tuple(flops),
+        gather_send_bytes=traffic.gather_send_bytes,
+        gather_recv_bytes=traffic.gather_recv_bytes,
+        back_send_bytes=traffic.back_send_bytes,
+        back_recv_bytes=traffic.back_recv_bytes,
+        gather_comm=traffic.gather_comm,
+        back_comm=traffic.back_comm,
+        schedule=schedule,
+        path=path,
+        rows=rows,
+    )
 
 
 def _group_members(params: Sequence[ParamLayout]) -> list[list[int]]:
