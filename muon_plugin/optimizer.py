@@ -7,7 +7,8 @@ Each param group picks its algorithm with the ``"algorithm"`` key (``"muon"`` de
 2. Muon groups run :func:`muon_plugin.functional.muon` on the local shards of every Muon
    parameter with a gradient: momentum, orthogonalization through one cached
    :class:`~muon_plugin.distributed.plan.OrthogonalizationPlan` (which assembles whole
-   matrices, orthogonalizes them and returns the local shards), weight decay and update.
+   matrices, orthogonalizes them and returns the local shards; cached by
+   :class:`~muon_plugin.plan_cache.PlanCache`), weight decay and update.
 
 The classes are drivers: they gather the lists from param groups and state, create the state,
 cache the plan, and keep their configuration through copies
@@ -25,21 +26,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from muon_plugin import functional
 from muon_plugin.adam import adam_step
 from muon_plugin.copies import CopyableOptimizer
 from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
-from muon_plugin.distributed.plan import OrthogonalizationPlan, PreparedPlan, prepare_plan
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
-from muon_plugin.group_settings import (
-    agreed_settings,
-    group_settings,
-    group_spec,
-)
-from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import local, names_by_id
+from muon_plugin.group_settings import group_settings, group_spec
+from muon_plugin.kernels.tuning_cache import read_tuning_settings
+from muon_plugin.orthogonalize import MatrixSpec, environment_overrides
+from muon_plugin.parameters import local
+from muon_plugin.plan_cache import PlanCache
+from muon_plugin.row_state import ROW_STATE_KEY, group_row_states, restore_row_state
 from muon_plugin.state_dict import (
     check_group_sizes,
     fill_missing_settings,
@@ -93,6 +91,17 @@ class Muon(CopyableOptimizer):
             picklable: a pickled optimizer comes back without it (every rank then
             orthogonalizes its replicated matrices itself: the same updates, more work;
             set the attribute again to split the work); ``copy.deepcopy`` keeps it.
+        normalization: ``"none"`` (Muon) or ``"normuon"``: NorMuon (arXiv:2510.05491), each row
+            of the orthogonalized update divided by the root of its running mean square, then
+            the matrix rescaled (each row block of ``split_sizes`` on its own), on the rank
+            that orthogonalized it. Extra state: one fp32 entry per row
+            (``"normuon_second_moment"``), laid out like the parameter's rows.
+        normuon_beta2: the per-row second moment's EMA coefficient (default 0.95).
+        normuon_eps: added to the root of the second moment (default 1e-8).
+        normuon_rescale: ``"frobenius"`` (default) keeps the Frobenius norm of Muon's update
+            (the NorMuon authors' code); ``"rms"`` gives the norm of an exactly orthogonal
+            update under ``lr_adjust`` (the paper's rule; an update RMS of 0.2 with
+            ``"match_rms_adamw"``).
         skip_nonfinite: skip the update of every Muon matrix whose orthogonalized direction
             is non-finite (a NaN/Inf gradient or momentum): its weights and momentum stay as
             they were. ``skipped_updates`` counts, on this rank, the Muon parameters with a
@@ -110,7 +119,16 @@ class Muon(CopyableOptimizer):
     batched = False
     """Run stages 1 and 3 on whole groups and stack same-shape orthogonalizations."""
 
-    config_attributes: tuple[str, ...] = ("replicate_group", "skip_nonfinite", "skipped_updates")
+    config_attributes: tuple[str, ...] = (
+        "replicate_group",
+        "skip_nonfinite",
+        "skipped_updates",
+        "backend_overrides",
+    )
+    backend_overrides: frozenset[str] = frozenset()
+    """The features the environment switched off when this optimizer was built
+    (:func:`~muon_plugin.orthogonalize.environment_overrides`), folded into every group's
+    backend name."""
     shared_attributes: tuple[str, ...] = ("replicate_group",)
 
     momentum_state_keys: tuple[str, ...] = ("momentum_buffer",)
@@ -141,6 +159,10 @@ class Muon(CopyableOptimizer):
         ns_coefficients: tuple[float, float, float] | None = DEFAULTS["ns_coefficients"],
         ns_eps: float | None = None,
         backend: str = DEFAULTS["backend"],
+        normalization: str = DEFAULTS["normalization"],
+        normuon_beta2: float = DEFAULTS["normuon_beta2"],
+        normuon_eps: float = DEFAULTS["normuon_eps"],
+        normuon_rescale: str = DEFAULTS["normuon_rescale"],
         skip_nonfinite: bool = SKIP_NONFINITE,
         weight_decay: float | None = None,
         adjust_lr_fn: str | None = None,
@@ -177,14 +199,19 @@ class Muon(CopyableOptimizer):
             split_sizes=split_sizes,
             ns_coefficients=ns_coefficients,
             backend=backend,
+            normalization=normalization,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
+            normuon_rescale=normuon_rescale,
             **named,
         )
-        self._plan: OrthogonalizationPlan | None = None
-        self._prepared: PreparedPlan | None = None
-        self._plan_key: tuple | None = None
+        self._plans = PlanCache()
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
+        # Read once: nothing reads the environment while a step runs.
+        self.backend_overrides = environment_overrides()
+        read_tuning_settings()
         for key in NUMBER_KEYS:  # before the params are read, as torch.optim does
             validate_number(key, defaults[key])
         super().__init__(params, defaults)
@@ -195,9 +222,7 @@ class Muon(CopyableOptimizer):
 
     def _forget_plan(self) -> None:
         """Drop the cached plan: the next step builds it again."""
-        self._plan = None
-        self._prepared = None
-        self._plan_key = None
+        self._plans = PlanCache()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking its keys, values and parameters (errors name them)."""
@@ -241,15 +266,18 @@ class Muon(CopyableOptimizer):
         specs: list[MatrixSpec] = []
         settings: list[functional.GroupSettings] = []
         momenta: list[Any] = []
+        rows: list[Tensor | None] = []
         for group in groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
             check_grad_layouts(group, ps)
+            spec = group_spec(group, self.backend_overrides)
             params += ps
-            specs += [group_spec(group)] * len(ps)
-            settings.append(group_settings(group, len(ps)))
+            specs += [spec] * len(ps)
+            settings.append(group_settings(group, len(ps), self.backend_overrides))
             momenta += self._momentum_states(group, ps)
+            rows += group_row_states(self.state, group, ps, spec)
         if not params:
             return
         skipped = functional.muon(
@@ -257,10 +285,17 @@ class Muon(CopyableOptimizer):
             [local(p.grad) for p in params],
             momenta,
             settings,
-            self._orthogonalization_plan(params, specs),
+            self._plans.get(
+                params,
+                specs,
+                self.param_groups,
+                batched=self.batched,
+                replicate_group=self.replicate_group,
+            ),
             foreach=self.batched,
             skip_nonfinite=self.skip_nonfinite,
             storage=self.momentum_storage,
+            second_moments=rows if any(r is not None for r in rows) else None,
         )
         self.skipped_updates += len(skipped)
 
@@ -278,38 +313,6 @@ class Muon(CopyableOptimizer):
             state["momentum_buffer"] = buf
         return buf
 
-    def _orthogonalization_plan(
-        self, params: list[Tensor], specs: list[MatrixSpec]
-    ) -> OrthogonalizationPlan:
-        """The cached plan for this set of parameters, layouts and specs (rebuilt on change).
-
-        The ranks of every mesh check at every step that they give the same parameters
-        (:mod:`~muon_plugin.distributed.agreement`), before any of them rebuilds: a gradient
-        that is None on some ranks only ends on every rank in an error naming the parameter.
-        """
-        key = tuple(
-            (id(p), p.shape, p.placements if isinstance(p, DTensor) else None, spec)
-            for p, spec in zip(params, specs, strict=True)
-        )
-        if key != self._plan_key:
-            # Names and settings, which the ranks of a mesh must agree on.
-            names = names_by_id(self.param_groups)
-            settings = {id(p): agreed_settings(g) for g in self.param_groups for p in g["params"]}
-            self._prepared = prepare_plan(
-                params,
-                specs,
-                batched=self.batched,
-                names=[names[id(p)] for p in params],
-                replicate_group=self.replicate_group,
-                settings=[settings[id(p)] for p in params],
-            )
-            self._plan, self._plan_key = None, key
-        assert self._prepared is not None
-        self._prepared.agreement.verify()
-        if self._plan is None:
-            self._plan = self._prepared.build()
-        return self._plan
-
     # ------------------------------------------------------------------ checkpoints
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -325,20 +328,35 @@ class Muon(CopyableOptimizer):
         - ``torch.optim`` casts every floating state tensor to its parameter's dtype, which
           would turn the fp32 momentum of bf16 parameters into bf16 (and MuonLP's codes into
           floats). Momentum entries are held out of that cast and restored by
-          ``_restore_momentum``.
+          ``_restore_momentum``; NorMuon's per-row state likewise (fp32, laid out like its
+          parameter's rows; its shape is checked against the parameter's rows).
         """
         state_dict = match_by_name(state_dict, self.param_groups)
         check_group_sizes(state_dict["param_groups"], self.param_groups)
         where = positions(self.param_groups)
         state_dict, held = hold_out_momentum(
-            state_dict, self.param_groups, self.momentum_state_keys
+            state_dict, self.param_groups, (*self.momentum_state_keys, ROW_STATE_KEY)
         )
         super().load_state_dict(state_dict)
         fill_missing_settings(self.param_groups, self.defaults)
-        restore_momentum(held, where, self.state, self._restore_momentum)
+        restore_momentum(
+            held, where, self.state, lambda p, saved: self._restore_held(p, saved, where)
+        )
         warn_missing_state(self.param_groups, self.state)
         place_fused_adam_steps(self.param_groups, self.state)
         self._forget_plan()
+
+    def _restore_held(
+        self, p: Tensor, saved: dict[str, Tensor], where: dict[int, tuple[Any, int]]
+    ) -> dict[str, Tensor]:
+        """Held-out entries of ``p``: its momentum (:meth:`_restore_momentum`) and its NorMuon
+        per-row state (fp32, laid out like ``p``'s rows; ``where``: the params' positions)."""
+        momentum = {k: v for k, v in saved.items() if k != ROW_STATE_KEY}
+        out = self._restore_momentum(p, momentum) if momentum else {}
+        if ROW_STATE_KEY in saved:
+            group = where[id(p)][0]
+            out[ROW_STATE_KEY] = restore_row_state(p, saved[ROW_STATE_KEY], group_spec(group))
+        return out
 
     def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
         """Loaded momentum entries of ``p`` in this optimizer's dtype, on ``p``'s device."""
@@ -348,7 +366,8 @@ class Muon(CopyableOptimizer):
 
     def plan_report(self) -> list[dict[str, Any]]:
         """The distributed orthogonalization plan, per shape group (empty before the first step)."""
-        return self._plan.report() if self._plan is not None else []
+        plan = self._plans.plan
+        return plan.report() if plan is not None else []
 
     def format_plan_report(self) -> str:
         """``plan_report`` as a text table, for logging once at start-up."""

@@ -272,13 +272,13 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
                 dt = time.perf_counter() - t0
                 if step >= args.warmup:
                     times.append(dt)
-            plan = opt._plan
+            plan = opt._plans.plan
             stats = dict(plan.last_stats)
             checks = []
             for _ in range(args.steps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                opt._prepared.agreement.verify()
+                opt._plans.prepared.agreement.verify()
                 checks.append(time.perf_counter() - t0)
             gathered = [None] * ws
             dist.all_gather_object(gathered, (stats, statistics.median(times)))

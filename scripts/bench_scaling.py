@@ -157,7 +157,7 @@ def measure(layout: str, ws: int, args, device: torch.device) -> dict | None:
     named = build(layout, ws, args, device)
     opt = MuonForeach([p for _, p in named], lr=0.01)
     times = time_steps(opt, args, device)
-    plan = opt._plan
+    plan = opt._plans.plan
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     gathered: list = [None] * ws
     dist.all_gather_object(gathered, (dict(plan.last_stats), times, peak))

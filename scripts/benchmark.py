@@ -15,11 +15,12 @@ runs saved earlier with ``--json``). Sections (``--sections``, default all):
    exact polar factor (fp64) on a Gaussian and on a low-rank-plus-noise input, each path
    checked against the plain bf16 loop (never farther from the polar factor).
 3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
-   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, MuonLP int8 and
-   int4 at default settings, compiled), torch's Muon, a naive per-parameter reference Muon,
-   fused AdamW, the elementwise part of our step alone, and any importable peer at its fastest
-   documented settings (dion's Muon with gram Newton-Schulz or its Triton kernels, inside its
-   CUDA-graph wrapper; gram-newton-schulz's Muon; muonium; dtensor_muon); then the Llama slice
+   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, with NorMuon's row
+   normalization too, Muon, MuonLP int8 and int4 at default settings, compiled), torch's Muon,
+   a naive per-parameter reference Muon, fused AdamW, the elementwise part of our step alone,
+   and any importable peer at its fastest documented settings (dion's Muon with gram
+   Newton-Schulz or its Triton kernels, inside its CUDA-graph wrapper; gram-newton-schulz's
+   Muon; muonium; dtensor_muon); then the Llama slice
    with bf16 params and grads (what FSDP's mixed precision with bf16 parameters hands over)
    for a few of those rows.
 4. ``memory``: optimizer-state bytes (per parameter) and the peak memory above params and grads
@@ -479,7 +480,9 @@ def cublas_below_m(min_m: int) -> contextlib.AbstractContextManager[Patched]:
     return row_patch(
         paths,
         "kernel_wins",
-        lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch),
+        lambda m, k, batch=1, graphed=False, device=None: (
+            m >= min_m and rule(m, k, batch, device=device)
+        ),
         on_cpu=False,  # asked only where the Triton kernel could run
     )
 
@@ -755,6 +758,7 @@ def make_workload(
 
 BF16_ROWS = (
     "MuonForeach (polar_express)",
+    "MuonForeach (NorMuon)",
     "MuonLP (int8)",
     "torch.optim.Muon",
     "AdamW(fused=True)",
@@ -876,6 +880,12 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, orthogonalization_strategy="newton_schulz"),
             required=True,
         ),
+        Row(  # NorMuon: the same step plus the per-row normalization (its speed budget: +3%)
+            "MuonForeach (NorMuon)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, normalization="normuon"),
+            required=True,
+        ),
         Row(
             "MuonForeach (turbo_muon x4)",
             "ours",
@@ -888,8 +898,7 @@ def optimizer_rows(cfg: Config) -> list[Row]:
         Row(
             "MuonForeach, no Gram space",
             "ours",
-            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
-            context=lambda: env_var("MUON_PLUGIN_DISABLE_GRAM", "1"),
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, backend="auto:no-gram"),
         ),
         Row(  # the "eager" backend: what a run short of memory chooses
             "MuonForeach, no CUDA graphs",

@@ -93,7 +93,7 @@ def check_step_accounting(
     stats = {"send_bytes": 0, "recv_bytes": 0, "collectives": 0}
     report: list[dict[str, Any]] = []
     for opt in optimizers:
-        plan = opt._plan
+        plan = opt._plans.plan
         report += plan.report()
         for key in stats:
             stats[key] += plan.last_stats.get(key, 0)

@@ -156,6 +156,8 @@ def test_every_step_row_of_every_workload_prints_a_number(every_row) -> None:
     }
     assert abs(mem["MuonForeach (polar_express)"]["state_bytes_per_param"] - 4.0) < 0.1
     assert abs(mem["AdamW(fused=True)"]["state_bytes_per_param"] - 8.0) < 0.1
+    # NorMuon: the momentum plus one fp32 second moment per row (4 / cols bytes a parameter)
+    assert 4.0 < mem["MuonForeach (NorMuon)"]["state_bytes_per_param"] < 4.5
     assert all("state_mib" in r for r in mem.values() if "skipped" not in r)
     for table in ("kernels:", "ortho:", "step:", "memory:"):
         assert f"\n{table}\n" in printed

@@ -228,7 +228,7 @@ def test_report_names_the_backend_and_its_path():
 
 def test_buffers_follow_the_process_groups_rank_order():
     """The communicator re-lays a schedule when its process group ranks the peers otherwise:
-    the same pieces per peer, the peers in the group's order."""
+    the same pieces per peer, the peers in the group's order (a copy: the plan's stays)."""
     entries = [(s, (4,), (Shard(0),), SPEC) for s in llama_layers(32, 96, 8, 1)]
     plan = simulate_plan(entries, rank=1)
     order = [2, 0, 3, 1]
@@ -238,12 +238,15 @@ def test_buffers_follow_the_process_groups_rank_order():
             name: (list(getattr(sched, name)), list(getattr(sched, f"{name}_splits")))
             for name in ("gather_send", "gather_recv", "back_send", "back_recv")
         }
-        sched.lay_out(order)
+        laid = sched.lay_out(order)
         for name, (items, splits) in before.items():
-            assert getattr(sched, f"{name}_splits") == [splits[j] for j in order]
-            per_peer = sched.by_peer[name]
-            assert getattr(sched, name) == [item for j in order for item in per_peer.get(j, [])]
-            assert sorted(map(repr, getattr(sched, name))) == sorted(map(repr, items))
+            assert list(getattr(laid, f"{name}_splits")) == [splits[j] for j in order]
+            per_peer = laid.by_peer[name]
+            assert list(getattr(laid, name)) == [
+                item for j in order for item in per_peer.get(j, [])
+            ]
+            assert sorted(map(repr, getattr(laid, name))) == sorted(map(repr, items))
+            assert list(getattr(sched, name)) == items  # the plan's schedule is unchanged
 
 
 def test_local_groups_are_cut_into_bounded_phases(monkeypatch):
@@ -255,12 +258,12 @@ def test_local_groups_are_cut_into_bounded_phases(monkeypatch):
     monkeypatch.setattr(planner, "MAX_PHASE_NUMEL", 3 * 64 * 64)
     plain = [((64, 64), (1,), (Replicate(),), SPEC)] * 8 + [((32, 64), (1,), (Replicate(),), SPEC)]
     plan = simulate_plan(plain)
-    assert [g.indices for g in plan.groups] == [[0, 1, 2], [3, 4, 5], [6, 7], [8]]
+    assert [list(g.indices) for g in plan.groups] == [[0, 1, 2], [3, 4, 5], [6, 7], [8]]
     assert plan.phases == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # [6, 7] and [8] fit together
     assert sum(r["matrices"] for r in plan.report()) == 9
     sharded = [((64, 64), (2,), (Shard(0),), SPEC)] * 8  # communicates: never cut
     plan = simulate_plan(sharded)
-    assert [g.indices for g in plan.groups] == [list(range(8))]
+    assert [list(g.indices) for g in plan.groups] == [list(range(8))]
     assert plan.phases == [list(range(8))]
 
 
@@ -276,13 +279,14 @@ def test_cuda_graphed_groups_share_larger_phases(monkeypatch):
     monkeypatch.setattr(planner, "MAX_PHASE_NUMEL", 2 * unit)
     monkeypatch.setattr(planner, "MAX_GRAPHED_PHASE_NUMEL", 6 * unit)
     plan = simulate_plan([((64, 64), (1,), (Replicate(),), SPEC)] * 12)
-    groups = plan.groups
-    assert [g.indices for g in groups] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
-    graphed = {0, 1, 2, 3, 5}  # group 4 is eager (a larger matrix would be)
-    for k in graphed:
-        groups[k].path = dataclasses.replace(groups[k].path, graph=True)
+    groups = list(plan.groups)
+    assert [list(g.indices) for g in groups] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+
+    def graphed(g, graph: bool):
+        return dataclasses.replace(g, path=dataclasses.replace(g.path, graph=graph))
+
+    groups = [graphed(g, k in {0, 1, 2, 3, 5}) for k, g in enumerate(groups)]  # group 4 eager
     phases = [[groups.index(g) for g in phase] for phase in planner.local_phases(groups)]
     assert phases == [[0, 1, 2], [3], [4], [5]]
-    for g in groups:  # none graphed: the plain bound alone
-        g.path = dataclasses.replace(g.path, graph=False)
+    groups = [graphed(g, False) for g in groups]  # none graphed: the plain bound alone
     assert len(planner.local_phases(groups)) == 6

@@ -10,7 +10,8 @@ from muon_plugin import Muon, MuonForeach
 from muon_plugin import functional as F
 from muon_plugin.distributed.plan import plan_orthogonalization
 from muon_plugin.functional import GroupSettings
-from muon_plugin.orthogonalize import MatrixSpec, lr_shape_factor, zeropower
+from muon_plugin.learning_rate import LrShapeRule, lr_shape_factor
+from muon_plugin.orthogonalize import MatrixSpec, zeropower
 
 SHAPES = [(8, 6), (5, 7), (3, 4, 6)]
 
@@ -97,7 +98,7 @@ def test_orthogonalize_hands_the_directions_to_the_plan_in_order():
 @pytest.mark.parametrize("batched", [True, False])
 def test_orthogonalize_with_a_real_plan_is_the_scaled_polar_factor(batched):
     directions = tensors([(32, 16), (16, 48), (32, 16)], 7, torch.float32)
-    spec = MatrixSpec(steps=5, strategy="polar_express", lr_adjust="keller")
+    spec = MatrixSpec(steps=5, strategy="polar_express", output_scale=LrShapeRule("keller"))
     plan = plan_orthogonalization(directions, [spec] * 3, batched=batched)
     updates = F.orthogonalize(directions, plan)
     for d, u in zip(directions, updates, strict=True):
@@ -218,7 +219,7 @@ def test_the_optimizer_classes_drive_the_entry_point(driver):
     mine = [p.detach().clone() for p in params]
     bufs = [torch.zeros_like(p) for p in mine]
     opt = driver(params, lr=0.02, wd=0.1, momentum=0.9)
-    spec = MatrixSpec(steps=5, strategy="polar_express", lr_adjust="keller")
+    spec = MatrixSpec(steps=5, strategy="polar_express", output_scale=LrShapeRule("keller"))
     plan = plan_orthogonalization(mine, [spec] * len(mine), batched=driver.batched)
     for step in range(2):
         grads = tensors(shapes, 19 + step, torch.float32)

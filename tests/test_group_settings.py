@@ -6,6 +6,7 @@ import torch
 
 from muon_plugin.defaults import DEFAULTS
 from muon_plugin.group_settings import agreed_settings, group_settings, group_spec
+from muon_plugin.learning_rate import LrShapeRule
 
 
 def test_group_spec_maps_every_setting_and_is_shared_by_equal_groups():
@@ -21,10 +22,10 @@ def test_group_spec_maps_every_setting_and_is_shared_by_equal_groups():
         "ns_eps": 1e-6,
     }
     spec = group_spec(group)
-    assert (spec.steps, spec.strategy, spec.lr_adjust, spec.flatten, spec.compile) == (
+    assert (spec.steps, spec.strategy, spec.output_scale, spec.flatten, spec.compile) == (
         7,
         "newton_schulz",
-        "spectral",
+        LrShapeRule("spectral"),
         True,
         True,
     )

@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 
 def test_a_long_test_gets_a_line_every_period(tmp_path: Path) -> None:
     (tmp_path / "test_slow.py").write_text(
-        "import time\n\ndef test_slow():\n    time.sleep(2.6)\n\ndef test_quick():\n    pass\n"
+        "import time\n\ndef test_slow():\n    time.sleep(3.5)\n\ndef test_quick():\n    pass\n"
     )
     env = {**os.environ, "PYTHONPATH": str(HERE), "MUON_TEST_HEARTBEAT_S": "1"}
     proc = subprocess.run(

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from muon_plugin.learning_rate import LrShapeRule, lr_shape_factor
 from muon_plugin.orthogonalize import (
     IterationPath,
     MatrixSpec,
     coefficient_schedule,
-    lr_shape_factor,
     orthogonalize_stack,
     resolve_path,
     zeropower,
@@ -126,28 +126,30 @@ def test_polar_express_runs_past_its_table():
 
 def test_split_sizes_orthogonalize_blocks_independently():
     """A fused QKV matrix with split_sizes equals its blocks handled as separate parameters."""
-    spec = MatrixSpec(split_sizes=(32, 16, 16), lr_adjust="match_rms_adamw")
+    spec = MatrixSpec(split_sizes=(32, 16, 16), output_scale=LrShapeRule("match_rms_adamw"))
     X = gradient_like(64, 48, seed=6)
     fused = orthogonalize_stack(X[None], spec)[0]
-    plain = MatrixSpec(lr_adjust="match_rms_adamw")
+    plain = MatrixSpec(output_scale=LrShapeRule("match_rms_adamw"))
     parts = [orthogonalize_stack(X[None, a:b], plain)[0] for a, b in ((0, 32), (32, 48), (48, 64))]
     assert torch.equal(fused, torch.cat(parts))
 
 
 def test_flatten_and_batched_views():
     X = gradient_like(1, 8, 36, seed=7).reshape(1, 8, 4, 9)
-    flat = orthogonalize_stack(X, MatrixSpec(flatten=True, lr_adjust="none", steps=8))
+    flat = orthogonalize_stack(
+        X, MatrixSpec(flatten=True, output_scale=LrShapeRule("none"), steps=8)
+    )
     assert torch.equal(flat.reshape(8, 36), zeropower(X.reshape(8, 36), 8))
     assert rel_err(flat.reshape(8, 36), polar(X.reshape(8, 36))) < 0.05
     experts = gradient_like(3, 16, 24, seed=8)
-    out = orthogonalize_stack(experts[None], MatrixSpec(lr_adjust="keller"))[0]
+    out = orthogonalize_stack(experts[None], MatrixSpec(output_scale=LrShapeRule("keller")))[0]
     for e in range(3):
         assert torch.equal(out[e], orthogonalize_stack(experts[e][None], MatrixSpec())[0])
 
 
 def test_stack_applies_lr_shape_factor():
     X = gradient_like(96, 32, seed=9)
-    out = orthogonalize_stack(X[None], MatrixSpec(lr_adjust="keller"))[0]
+    out = orthogonalize_stack(X[None], MatrixSpec(output_scale=LrShapeRule("keller")))[0]
     assert rel_err(out, math.sqrt(3) * zeropower(X, 5).float()) < 1e-2
 
 

@@ -5,6 +5,8 @@ stacks (sharded on the expert dim, and replicated), with both drivers, every ran
 its step really orthogonalizes (matrices and FLOPs, in the backend) and sends (bytes and
 ``all_to_all_single`` calls, on the wire), and all of it must equal the plan's report for every
 rank, the numbers the scale model (``scripts/plan_at_scale.py``) builds from one process.
+Some matrices run NorMuon, whose per-row states and factors travel in the same all-to-alls and
+are counted in the same bytes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ def fsdp(mesh, backend) -> None:
     model = bag(shapes, seed=1)
     fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())
-    step_twice(named, "fsdp", backend, conv={"flatten": True}, qkv={"split_sizes": (8, 8, 8)})
+    normuon = {"normalization": "normuon"}
+    step_twice(
+        named, "fsdp", backend, conv={"flatten": True},
+        qkv={"split_sizes": (8, 8, 8), **normuon}, tall=normuon, uneven=normuon,
+    )  # fmt: skip
 
 
 def fsdp_tp(mesh, backend) -> None:
@@ -66,13 +72,15 @@ def fsdp_tp(mesh, backend) -> None:
     plan = {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": RowwiseParallel()}
     parallelize_module(model, mesh["tp"], plan)
     fully_shard(model, mesh=mesh["dp"])
-    step_twice(list(model.named_parameters()), "fsdp x tp", backend)
+    named = list(model.named_parameters())
+    step_twice(named, "fsdp x tp", backend, **{"1.weight": {"normalization": "normuon"}})
 
 
 def hsdp(mesh, backend) -> None:
     model = bag({f"m{i}": (16 + 4 * (i % 2), 24) for i in range(5)} | {"odd": (3, 8)}, seed=4)
     fully_shard(model, mesh=mesh)
-    step_twice(list(model.named_parameters()), "hsdp", backend)
+    named = list(model.named_parameters())
+    step_twice(named, "hsdp", backend, m1={"normalization": "normuon"})
 
 
 def experts(mesh, backend) -> None:

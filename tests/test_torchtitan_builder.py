@@ -26,7 +26,7 @@ import muon_plugin.torchtitan  # noqa: E402
 
 muon_plugin.torchtitan.activate()  # installs the hooks
 from muon_plugin.torchtitan import register  # noqa: E402
-from muon_plugin.torchtitan.builder import MuonOptimizersContainer  # noqa: E402
+from muon_plugin.torchtitan.builder import MuonOptimizersContainer022  # noqa: E402
 
 PARALLEL_DIMS = SimpleNamespace(ep_enabled=False, pp_enabled=False)
 
@@ -85,7 +85,7 @@ def test_moe_builder_keeps_load_balancing_hook() -> None:
     cfg = job_config("--optimizer.name", "muon")
     build = tt_spec.get_train_spec("deepseek_v3").build_optimizers_fn
     opt = build([model], cfg.optimizer, PARALLEL_DIMS)
-    assert isinstance(opt, MuonOptimizersContainer)
+    assert isinstance(opt, MuonOptimizersContainer022)
     assert len(opt._optimizer_step_pre_hooks) == 1  # _update_expert_bias
     classes = opt.group_classes[0]
     assert classes[:3] == ["matrix", "expert", "router"]
@@ -132,7 +132,7 @@ def test_container_steps_schedules_and_checkpoints() -> None:
     opt = tt_spec.get_train_spec("llama3").build_optimizers_fn(
         [model], cfg.optimizer, PARALLEL_DIMS
     )
-    assert isinstance(opt, MuonOptimizersContainer) and len(opt.optimizers) == 1
+    assert isinstance(opt, MuonOptimizersContainer022) and len(opt.optimizers) == 1
     inner = opt.optimizers[0]
     assert type(inner).__name__ == "MuonForeach"
     by = dict(zip(opt.group_classes[0], inner.param_groups, strict=True))

@@ -1,4 +1,5 @@
-"""CPU mode (muon_plugin.torchtitan.cpu): applied early enough, in every module that needs it."""
+"""CPU mode (muon_plugin.torchtitan.cpu_mode): applied early enough, in every module that
+needs it."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_cpu_mode_reaches_every_module_in_torchtitan_import_order() -> None:
 
 def test_fsdp_sum_reduction_only_on_cpu() -> None:
     import muon_plugin.torchtitan
-    from muon_plugin.torchtitan import cpu
+    from muon_plugin.torchtitan import cpu_mode as cpu
 
     muon_plugin.torchtitan.activate()
 
@@ -105,7 +106,7 @@ def test_fsdp_sum_reduction_only_on_cpu() -> None:
 
 def test_moe_histc_accepts_integer_cpu_tensors() -> None:
     import muon_plugin.torchtitan
-    from muon_plugin.torchtitan import cpu
+    from muon_plugin.torchtitan import cpu_mode as cpu
 
     muon_plugin.torchtitan.activate()
 

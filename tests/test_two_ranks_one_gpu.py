@@ -87,7 +87,8 @@ def job_sharded_parameters(rank: int, ws: int) -> None:
     dist.all_gather_object(reports, opt.format_plan_report())
     print(f"rank {rank}: plan report\n{reports[rank]}")
     assert any("triton" in r for r in reports) and any("graph" in r for r in reports), reports
-    assert opt._plan.last_stats.get("collectives", 0) > 0, opt._plan.last_stats
+    stats = opt._plans.plan.last_stats
+    assert stats.get("collectives", 0) > 0, stats
 
 
 def job_fsdp2_model(rank: int, ws: int) -> None:

@@ -248,6 +248,13 @@ class Layout:
         return self.linear(tuple(coord))
 
 
+def row_placements(placements: tuple[Placement, ...], row_dims: int) -> tuple[Placement, ...]:
+    """The placements of a parameter's per-row state (one entry per row of each matrix: the
+    parameter's first ``row_dims`` dims): the parameter's, with the mesh dims that cut a later
+    (column) dim replicated, since every rank holding part of a row holds that row's state."""
+    return tuple(p if type(p) is Replicate or p.dim < row_dims else Replicate() for p in placements)
+
+
 @cache
 def layout_of(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]

@@ -4,11 +4,14 @@ A plan is built once per set of parameters (the optimizer caches it) and execute
 It is put together from three parts:
 
 - the **planner** (:mod:`~muon_plugin.distributed.planner`, with
+  :mod:`~muon_plugin.distributed.units`, :mod:`~muon_plugin.distributed.owners` and
   :mod:`~muon_plugin.distributed.schedule`): pure, every rank computes the same shape groups,
-  units, owners, schedules, per-rank traffic and FLOPs, and resolves each group's
-  orthogonalization path once (its spec's backend);
+  units, owners, exchange schedules, per-rank traffic and FLOPs, and resolves each group's
+  orthogonalization path once (its spec's backend). Its result, a list of frozen
+  :class:`~muon_plugin.distributed.planner.ShapeGroup`, is the plan; nothing changes it;
 - the **communicator** (:mod:`~muon_plugin.distributed.communicator`): the process groups,
-  created after planning, the wire buffers and the all-to-alls, with byte/collective stats;
+  created after planning, the schedules in their rank order, the wire buffers and the
+  all-to-alls, with byte/collective stats;
 - the **executor** (:mod:`~muon_plugin.distributed.executor`): per step, gather ->
   orthogonalize on the resolved path -> return.
 
@@ -40,16 +43,16 @@ from muon_plugin.distributed.planner import (
     simulated_layouts,
 )
 from muon_plugin.distributed.report import report_rows
-from muon_plugin.distributed.schedule import WIRE_BYTES, WIRE_DTYPE, Schedule
+from muon_plugin.distributed.schedule import WIRE_BYTES, WIRE_DTYPE, ExchangeSchedule
 from muon_plugin.distributed.validation import place
 from muon_plugin.orthogonalize import MatrixSpec, validate_backend
 
 __all__ = [
     "WIRE_BYTES",
     "WIRE_DTYPE",
+    "ExchangeSchedule",
     "OrthogonalizationPlan",
     "PreparedPlan",
-    "Schedule",
     "ShapeGroup",
     "plan_orthogonalization",
     "prepare_plan",
@@ -66,12 +69,14 @@ class OrthogonalizationPlan:
 
     def __init__(
         self,
-        groups: list[ShapeGroup],
+        groups: Sequence[ShapeGroup],
         batched: bool,
         communicator: Communicator | None = None,
     ) -> None:
-        self.groups = groups
-        self.executor = None if communicator is None else Executor(groups, communicator, batched)
+        self.groups = tuple(groups)
+        self.executor = (
+            None if communicator is None else Executor(self.groups, communicator, batched)
+        )
         self.last_stats: dict[str, int] = {}
         self._phase_groups = local_phases(groups)
         self.phases: list[list[int]] = [
@@ -80,18 +85,28 @@ class OrthogonalizationPlan:
         """Parameter positions a step may take through all three stages one set after another
         (bounding the step's workspace): several sets only where no group communicates."""
 
-    def run(self, directions: Sequence[Tensor | None], phase: int | None = None) -> list[Any]:
+    def run(
+        self,
+        directions: Sequence[Tensor | None],
+        phase: int | None = None,
+        rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
+    ) -> list[Any]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
 
         Returns, per parameter, the local shard (same shape as the input) of the orthogonalized
         whole matrix, in bf16. Every rank of every domain must call this with the same plan.
         With ``phase``, only the parameters of ``phases[phase]`` (their directions are read,
-        the other entries may be None, and come back None).
+        the other entries may be None, and come back None). ``rows``: the local per-row states
+        (fp32) of the parameters whose spec normalizes rows (NorMuon), updated in place; None
+        for the others. ``factors`` (a list as long as ``directions``, needed with ``rows``)
+        receives those parameters' rows' factors: their update is the returned shard times
+        its rows' factors.
         """
         if self.executor is None:
             raise RuntimeError("a simulated plan (simulate_plan) reports but cannot run")
         groups = None if phase is None else self._phase_groups[phase]
-        out = self.executor.run(directions, groups)
+        out = self.executor.run(directions, groups, rows, factors)
         self.last_stats = dict(self.executor.comm.stats)
         return out
 
@@ -145,13 +160,15 @@ def prepare_plan(
     agreement = Agreement(
         params,
         names,
-        [domain for domain, _ in placed],
+        [q.domain for q in placed],
         [(spec, more) for spec, more in zip(specs, extra, strict=True)],
         {"batched": batched},
     )
     layouts = [
-        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, local(p).device, specs[i])
-        for i, (p, (domain, layout)) in enumerate(zip(params, placed, strict=True))
+        ParamLayout(
+            names[i], tuple(p.shape), p.dtype, q.domain, q.layout, local(p).device, specs[i]
+        )
+        for i, (p, q) in enumerate(zip(params, placed, strict=True))
     ]
     return PreparedPlan(layouts, agreement, batched)
 

@@ -1,21 +1,26 @@
 """The planner: which rank orthogonalizes which whole matrix (pure: no process groups, no I/O).
 
-Every rank computes the same plan from the parameters' layouts:
+Every rank computes the same plan from the parameters' layouts, once, as immutable
+:class:`ShapeGroup` objects that the communicator and the executor only read:
 
 1. Each Muon parameter is described by its global shape, its *domain* (the ranks of its device
    mesh, see :mod:`~muon_plugin.distributed.groups`) and its :class:`~muon_plugin.distributed.
    layout.Layout` (which global indices every rank of the mesh holds): a :class:`ParamLayout`.
 2. Parameters are grouped into *shape groups* by (global shape, dtype, domain, placements, spec).
-3. Each shape group is cut into *units*: whole matrices, i.e. the last two dims of the parameter
-   for every index of its leading (batch) dims, or the whole parameter when ``spec.flatten``.
-4. Every unit gets one *owner*: greedily, largest estimated FLOPs first, onto the least-loaded
-   candidate rank, all shape groups of a domain together (units only one rank can take go
-   first). Candidates are the ranks that already hold the whole unit when there are any (expert
-   stacks sharded on a batch dim, ``Replicate`` meshes: no gathering at all), else every rank of
-   the mesh (ties go to the rank already holding the most of it).
-5. Traffic and this rank's schedule (:mod:`~muon_plugin.distributed.schedule`).
-6. The orthogonalization path of this rank's stack, resolved once by the group's backend
-   (:func:`muon_plugin.orthogonalize.resolve_path`) and stored on the group.
+3. Each shape group is cut into *units* (:mod:`~muon_plugin.distributed.units`): whole
+   matrices, i.e. the last two dims of the parameter for every index of its leading (batch)
+   dims, or the whole parameter when ``spec.flatten``.
+4. Every unit gets one *owner* (:mod:`~muon_plugin.distributed.owners`): greedily, largest
+   estimated FLOPs first, onto the least-loaded candidate rank, all shape groups of a domain
+   together.
+5. Per-rank matrices and FLOPs, traffic, and this rank's exchange schedule
+   (:mod:`~muon_plugin.distributed.schedule`).
+6. For a spec with a row normalization (NorMuon), the group's ``rows`` companion
+   (:class:`RowGroup`): the per-row state (fp32, as two bf16 words per row) laid out like the
+   parameter's rows, with the same units and owners, so that each unit's rows travel to its
+   owner with its shards and back with its update; its traffic is added to the group's.
+7. The orthogonalization path of this rank's stack, resolved once by the group's backend
+   (:func:`muon_plugin.orthogonalize.resolve_path`).
 
 :func:`simulated_layouts` describes hypothetical parameters (a mesh of ranks ``0 .. N-1``), so
 reports and benchmarks run this same planner without processes.
@@ -23,19 +28,19 @@ reports and benchmarks run this same planner without processes.
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import functools
 import math
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from muon_plugin.distributed.groups import Domain
-from muon_plugin.distributed.layout import Layout, LayoutError, layout_of
-from muon_plugin.distributed.schedule import Schedule, schedule_group
+from muon_plugin.distributed.layout import Layout, LayoutError, layout_of, row_placements
+from muon_plugin.distributed.owners import assign_owners
+from muon_plugin.distributed.schedule import ExchangeSchedule, Traffic, schedule_units
+from muon_plugin.distributed.units import GroupUnits, Holdings, group_units, holdings
 from muon_plugin.orthogonalize import MatrixSpec, ResolvedPath, resolve_path
 
 
@@ -52,41 +57,72 @@ class ParamLayout:
     spec: MatrixSpec
 
 
-@dataclass
-class ShapeGroup:
-    """Parameters sharing global shape, dtype, domain, placements and spec."""
+class SlotRange(NamedTuple):
+    """Consecutive slots of a stack: the first and how many."""
 
-    shape: tuple[int, ...]
+    first: int
+    count: int
+
+
+@dataclass(frozen=True, eq=False)
+class RowGroup(GroupUnits):
+    """The companion of a shape group that moves its per-row state (NorMuon): shape
+    ``(*rows, ROW_WORDS)`` (the state viewed as bf16 words), placed like the parameter's rows
+    (:func:`~muon_plugin.distributed.layout.row_placements`), with the group's units and owners.
+
+    Its schedule sends each unit's rows to the owner from one holder and returns the updated
+    rows, and their factors, to every holder, replicas along column shards included (its
+    return bytes count both); the group's all-to-alls carry them.
+    """
+
+    schedule: ExchangeSchedule
+    traffic: Traffic
+    gather_comm: bool
+    back_comm: bool
+    local_slots: tuple[SlotRange, ...]
+    """Without traffic: per parameter, the slots of its local units in this rank's stack (it
+    owns all of them, consecutive, in order); ``(0, 0)``: none held."""
+
+    @property
+    def travels(self) -> bool:
+        """Whether any rank sends or receives these rows (else all of them are local)."""
+        return self.gather_comm or self.back_comm
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeGroup(GroupUnits):
+    """The plan of one shape group: parameters sharing global shape, dtype, domain, placements
+    and spec; their units and owners, per-rank load and traffic, this rank's schedule and path.
+    Built once by :func:`plan_groups`, never changed."""
+
     dtype: torch.dtype
     spec: MatrixSpec
-    domain: Domain
-    layout: Layout
     device: torch.device
-    indices: list[int] = field(default_factory=list)  # positions in the step's param list
-    names: list[str] = field(default_factory=list)
-    unit_dims: tuple[int, ...] = ()
-    batch_dims: tuple[int, ...] = ()
-    units: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (k, batch index)
-    owners: list[int] = field(default_factory=list)  # linear rank of each unit's owner
-    unit_flops: float = 0.0
-    # Filled by the planner (per linear rank of the domain).
-    matrices_per_rank: list[int] = field(default_factory=list)
-    flops_per_rank: list[float] = field(default_factory=list)
-    gather_send_bytes: list[int] = field(default_factory=list)
-    gather_recv_bytes: list[int] = field(default_factory=list)
-    back_send_bytes: list[int] = field(default_factory=list)
-    back_recv_bytes: list[int] = field(default_factory=list)
-    schedule: Schedule = field(default_factory=Schedule)
-    gather_comm: bool = False  # does any rank of the domain send anything?
-    back_comm: bool = False
-    path: ResolvedPath | None = None  # how this rank orthogonalizes its stack of the group
+    indices: tuple[int, ...]
+    """The parameters' positions in the step's parameter list."""
+    owners: tuple[int, ...]
+    """The linear rank of each unit's owner."""
+    matrices_per_rank: tuple[int, ...]
+    flops_per_rank: tuple[float, ...]
+    gather_send_bytes: tuple[int, ...]
+    """Per linear rank, in one step (a ``rows`` companion's included, as every byte below)."""
+    gather_recv_bytes: tuple[int, ...]
+    back_send_bytes: tuple[int, ...]
+    back_recv_bytes: tuple[int, ...]
+    gather_comm: bool
+    """Does any rank of the domain send anything to the owners?"""
+    back_comm: bool
+    """Does any owner send results back to another rank?"""
+    schedule: ExchangeSchedule
+    path: ResolvedPath | None
+    """How this rank orthogonalizes its stack of the group."""
+    rows: RowGroup | None
+    """The per-row state's companion (NorMuon), or None."""
 
-    @property
-    def unit_shape(self) -> tuple[int, ...]:
-        return tuple(self.shape[d] for d in self.unit_dims)
-
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
+        """This rank's shard of each parameter (computed once, on first use: a simulated
+        plan's rank need not be on every mesh)."""
         return self.layout.local_shape(self.domain.me)
 
 
@@ -106,6 +142,9 @@ MAX_GRAPHED_PHASE_NUMEL = 2**27
 """Elements of consecutive CUDA-graphed groups (small matrices) one phase takes together: their
 graphs overlap on side streams only within a phase, and a GPT-125M's 85 M fit in one."""
 
+ROW_WORDS = 2
+"""An fp32 entry of the per-row state travels as two bf16 words (its bits, unchanged)."""
+
 
 def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[ShapeGroup]:
     """Shape groups, units, owners, schedules and paths of ``params`` (in this order).
@@ -113,28 +152,138 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
     ``batched``: this rank orthogonalizes its units of a group in one stacked call (the path is
     resolved for that stack), else unit by unit (an eager path for one unit).
     """
-    plan: list[ShapeGroup] = []
-    open_groups: dict[tuple, ShapeGroup] = {}  # the group a parameter of this key joins
+    members = _group_members(params)
+    units = [_units(params, idx) for idx in members]
+    held = [holdings(u) for u in units]
+    owners = assign_owners(units, held)
+    return [
+        _shape_group(params, idx, group, group_held, group_owners, batched)
+        for idx, group, group_held, group_owners in zip(members, units, held, owners, strict=True)
+    ]
+
+
+def _shape_group(
+    params: Sequence[ParamLayout],
+    idx: list[int],
+    units: GroupUnits,
+    held: Holdings,
+    owners: tuple[int, ...],
+    batched: bool,
+) -> ShapeGroup:
+    """The plan of the shape group of the parameters at ``idx``, whose ``units`` (held as
+    ``held``) have ``owners``."""
+    first = params[idx[0]]
+    schedule, traffic = schedule_units(units, owners, held)
+    rows = None
+    if first.spec.normalization is not None:
+        rows = _row_group(units, first.spec, owners)
+        traffic = traffic.plus(rows.traffic)
+    matrices = [0] * first.domain.size
+    flops = [0.0] * first.domain.size
+    for o in owners:
+        matrices[o] += 1
+        flops[o] += units.unit_flops
+    stack = len(schedule.slots) if batched else 1
+    path = resolve_path(units.unit_shape, stack, first.device, first.dtype, first.spec, batched)
+    return ShapeGroup(
+        **units.unit_fields(),
+        dtype=first.dtype,
+        spec=first.spec,
+        device=first.device,
+        indices=tuple(idx),
+        owners=owners,
+        matrices_per_rank=tuple(matrices),
+        flops_per_rank=tuple(flops),
+        gather_send_bytes=traffic.gather_send_bytes,
+        gather_recv_bytes=traffic.gather_recv_bytes,
+        back_send_bytes=traffic.back_send_bytes,
+        back_recv_bytes=traffic.back_recv_bytes,
+        gather_comm=traffic.gather_comm,
+        back_comm=traffic.back_comm,
+        schedule=schedule,
+        path=path,
+        rows=rows,
+    )
+
+
+def _group_members(params: Sequence[ParamLayout]) -> list[list[int]]:
+    """The positions of each shape group's parameters, groups in order of their first one.
+
+    A single rank's own parameters (a one-rank domain) start a new group of the same key once
+    a group would exceed :data:`MAX_LOCAL_GROUP_NUMEL`."""
+    members: list[list[int]] = []
+    open_groups: dict[tuple, list[int]] = {}  # the group a parameter of this key joins
     for i, p in enumerate(params):
         key = (p.shape, p.dtype, p.domain, p.layout.placements, p.spec)
         group = open_groups.get(key)
         if group is not None and p.domain.size == 1:
-            if (len(group.indices) + 1) * math.prod(p.shape) > MAX_LOCAL_GROUP_NUMEL:
+            if (len(group) + 1) * math.prod(p.shape) > MAX_LOCAL_GROUP_NUMEL:
                 group = None  # full: a new group of the same shape from here on
         if group is None:
-            group = ShapeGroup(p.shape, p.dtype, p.spec, p.domain, p.layout, p.device)
-            open_groups[key] = group
-            plan.append(group)
-        group.indices.append(i)
-        group.names.append(p.name)
-    for group in plan:
-        _make_units(group)
-    holdings = [_group_holdings(g) for g in plan]
-    _assign_owners(plan, holdings)
-    for group, held in zip(plan, holdings, strict=True):
-        schedule_group(group, held)
-        group.path = _resolve(group, batched)
-    return plan
+            group = open_groups[key] = []
+            members.append(group)
+        group.append(i)
+    return members
+
+
+def _units(params: Sequence[ParamLayout], idx: list[int]) -> GroupUnits:
+    """The units of the parameters at ``idx`` (one shape group)."""
+    p = params[idx[0]]
+    ndim = len(p.shape)
+    unit_dims = tuple(range(ndim)) if p.spec.flatten else (ndim - 2, ndim - 1)
+    unit_flops = p.spec.flops(tuple(p.shape[d] for d in unit_dims))
+    names = tuple(params[i].name for i in idx)
+    return group_units(names, p.shape, p.domain, p.layout, unit_dims, unit_flops)
+
+
+def _row_group(group: GroupUnits, spec: MatrixSpec, owners: tuple[int, ...]) -> RowGroup:
+    """The :class:`RowGroup` of ``group`` (whose units have ``owners``)."""
+    rows_shape = spec.row_shape(group.shape)
+    shape = (*rows_shape, ROW_WORDS)
+    placements = row_placements(group.layout.placements, len(rows_shape))
+    layout = layout_of(shape, group.domain.mesh_shape, placements)
+    unit_dims = (len(shape) - 2, len(shape) - 1)
+    rows = GroupUnits(
+        names=group.names,
+        shape=shape,
+        domain=group.domain,
+        layout=layout,
+        unit_dims=unit_dims,
+        batch_dims=tuple(range(len(shape) - 2)),
+        unit_shape=tuple(shape[d] for d in unit_dims),
+        units=group.units,  # the parameter's units, also where a unit is empty but its rows not
+        unit_flops=0.0,
+    )
+    schedule, traffic = schedule_units(rows, owners, holdings(rows))
+    back_send = tuple(2 * n for n in traffic.back_send_bytes)  # states and factors
+    back_recv = tuple(2 * n for n in traffic.back_recv_bytes)
+    traffic = Traffic(traffic.gather_send_bytes, traffic.gather_recv_bytes, back_send, back_recv)
+    travels = traffic.gather_comm or traffic.back_comm
+    return RowGroup(
+        **rows.unit_fields(),
+        schedule=schedule,
+        traffic=traffic,
+        gather_comm=traffic.gather_comm,
+        back_comm=traffic.back_comm,
+        local_slots=() if travels else _local_slots(rows, schedule),
+    )
+
+
+def _local_slots(rows: GroupUnits, schedule: ExchangeSchedule) -> tuple[SlotRange, ...]:
+    """The slots of each parameter of a companion whose units are all owned where they are
+    held: unit order keeps each parameter's local units consecutive and in order."""
+    direct = schedule.direct
+    if direct is None:
+        raise ValueError(f"internal error: the rows of {rows.names[0]!r} need traffic")
+    taken: list[list[int]] = [[] for _ in rows.names]
+    for slot, (k, _) in enumerate(direct):
+        taken[k].append(slot)
+    out = []
+    for k, slots in enumerate(taken):
+        if slots and slots != list(range(slots[0], slots[0] + len(slots))):
+            raise ValueError(f"internal error: the rows of {rows.names[k]!r} are not consecutive")
+        out.append(SlotRange(slots[0], len(slots)) if slots else SlotRange(0, 0))
+    return tuple(out)
 
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
@@ -180,128 +329,3 @@ def simulated_layouts(
         domain = Domain(tuple(range(math.prod(mesh_shape))), mesh_shape, rank, None)
         out.append(ParamLayout(f"#{i}", shape, dtype, domain, layout, torch.device(device), spec))
     return out
-
-
-def _resolve(group: ShapeGroup, batched: bool) -> ResolvedPath:
-    """This rank's path for the group: its whole stack (batched) or one unit at a time."""
-    stack = len(group.schedule.slots) if batched else 1
-    return resolve_path(group.unit_shape, stack, group.device, group.dtype, group.spec, batched)
-
-
-def _make_units(group: ShapeGroup) -> None:
-    ndim = len(group.shape)
-    if group.spec.flatten:
-        group.unit_dims, group.batch_dims = tuple(range(ndim)), ()
-    else:
-        group.unit_dims, group.batch_dims = (ndim - 2, ndim - 1), tuple(range(ndim - 2))
-    group.unit_flops = group.spec.flops(group.unit_shape)
-    if math.prod(group.unit_shape) == 0:
-        group.units = []
-        return
-    batch = list(itertools.product(*(range(group.shape[d]) for d in group.batch_dims)))
-    group.units = [(k, b) for k in range(len(group.indices)) for b in batch]
-
-
-def _group_holdings(group: ShapeGroup) -> dict[tuple[int, ...], list]:
-    """Per batch index of the group's units, ``(linear rank, local batch index, piece numel)``
-    of each rank holding part of that unit, ranks ascending. Built rank by rank from the batch
-    indices each rank holds, so it costs the size of its result (not units x ranks)."""
-    out: dict[tuple[int, ...], list] = {b: [] for _, b in group.units}
-    if not out:
-        return out
-    index = group.layout.index
-    for j in range(group.domain.size):
-        numel = 1
-        for d in group.unit_dims:
-            numel *= index[d][j].size
-        if numel == 0:
-            continue
-        held_per_dim = [
-            [(g + i, pos + i) for g, pos, n in index[d][j].local_runs() for i in range(n)]
-            for d in group.batch_dims
-        ]
-        for combo in itertools.product(*held_per_dim):
-            held = out.get(tuple(g for g, _ in combo))
-            if held is not None:
-                held.append((j, tuple(pos for _, pos in combo), numel))
-    return out
-
-
-class _Loads:
-    """Estimated FLOPs given to each (global) rank so far, and for each order of a rank set
-    (a domain's ``ranks``) a lazy heap of ``(load, linear index)``: every change pushes a
-    fresh entry, and entries whose load is out of date are dropped when they surface."""
-
-    def __init__(self) -> None:
-        self.load: dict[int, float] = defaultdict(float)
-        self._heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}
-        self._linear: dict[tuple[int, ...], dict[int, int]] = {}
-
-    def add(self, rank: int, flops: float) -> None:
-        self.load[rank] += flops
-        for ranks, heap in self._heaps.items():
-            heapq.heappush(heap, (self.load[rank], self._linear[ranks][rank]))
-
-    def least_loaded(self, ranks: tuple[int, ...]) -> tuple[float, int]:
-        """``(load, j)`` of the least-loaded linear index ``j`` of ``ranks`` (ties: smallest)."""
-        heap = self._heaps.get(ranks)
-        if heap is None:
-            heap = [(self.load[r], j) for j, r in enumerate(ranks)]
-            heapq.heapify(heap)
-            self._heaps[ranks] = heap
-            self._linear[ranks] = {r: j for j, r in enumerate(ranks)}
-        while heap[0][0] != self.load[ranks[heap[0][1]]]:
-            heapq.heappop(heap)  # out of date: a fresher entry exists
-        return heap[0]
-
-
-def _owner(group: ShapeGroup, held: list, whole: list[int], loads: _Loads) -> int:
-    """The linear rank that gets a unit held as ``held``: among the ranks holding all of it
-    (``whole``) when there are any, else among all ranks of the mesh, the least loaded; ties
-    go to the rank holding the most of it, then to the smallest index."""
-    ranks, load = group.domain.ranks, loads.load
-    if whole:
-        return min(whole, key=lambda j: (load[ranks[j]], j))
-    best = min(((load[ranks[j]], -n, j) for j, _, n in held), default=None)
-    if len(held) < len(ranks):
-        # A rank holding nothing wins only if it is the least loaded of all; when the least
-        # loaded rank holds a piece, ``best`` (holders first on equal load) is the answer.
-        least, j = loads.least_loaded(ranks)
-        if best is None or (least, 0, j) < best:
-            return j
-    assert best is not None
-    return best[2]
-
-
-def _assign_owners(groups: list[ShapeGroup], holdings: list[dict]) -> None:
-    """Greedy largest-first load balancing of units onto ranks, per set of ranks.
-
-    Units of domains over the same set of ranks are balanced together; every rank of such a set
-    knows all of its units, so every rank computes the same owners. (Balancing across
-    overlapping but different rank sets would need knowledge some ranks do not have.) Units
-    only one rank can take go first; the others in order of decreasing FLOPs.
-    """
-    by_ranks: dict[frozenset[int], list[int]] = defaultdict(list)
-    for gi, g in enumerate(groups):
-        by_ranks[frozenset(g.domain.ranks)].append(gi)
-    for members in by_ranks.values():
-        loads = _Loads()
-        whole: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        fixed, free = [], []
-        for order, gi in enumerate(members):
-            g = groups[gi]
-            g.owners = [-1] * len(g.units)
-            unit_numel = math.prod(g.unit_shape)
-            for b, held in holdings[gi].items():
-                whole[gi, b] = [j for j, _, n in held if n == unit_numel]
-            for ui, (_, b) in enumerate(g.units):
-                candidates = len(whole[gi, b]) or g.domain.size
-                (fixed if candidates == 1 else free).append((g.unit_flops, order, ui))
-        free.sort(key=lambda e: (-e[0], e[1], e[2]))
-        for flops, order, ui in fixed + free:
-            gi = members[order]
-            g = groups[gi]
-            b = g.units[ui][1]
-            j = _owner(g, holdings[gi][b], whole[gi, b], loads)
-            g.owners[ui] = j
-            loads.add(g.domain.ranks[j], flops)

@@ -7,7 +7,7 @@ of, a local shard that is not where the placements say).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import Tensor
@@ -24,7 +24,14 @@ def _describe(p: Tensor, name: str, placements: Any = None, mesh_shape: Any = No
     return text + ")"
 
 
-def place(p: Tensor, name: str, replicate_domain: Domain | None) -> tuple[Domain, Layout]:
+class Placed(NamedTuple):
+    """Where a parameter lives: its domain (the ranks of its mesh) and its layout."""
+
+    domain: Domain
+    layout: Layout
+
+
+def place(p: Tensor, name: str, replicate_domain: Domain | None) -> Placed:
     """The domain and layout of parameter ``p`` (ValueError naming it when not supported).
 
     Plain tensors live on this rank alone, or, given ``replicate_domain`` (DDP), are replicated
@@ -35,7 +42,7 @@ def place(p: Tensor, name: str, replicate_domain: Domain | None) -> tuple[Domain
         layout = layout_of(
             tuple(p.shape), domain.mesh_shape, (Replicate(),) * len(domain.mesh_shape)
         )
-        return domain, layout
+        return Placed(domain, layout)
     mesh = p.device_mesh
     mesh_shape = tuple(mesh.mesh.shape)
     what = _describe(p, name, p.placements, mesh_shape)
@@ -63,4 +70,4 @@ def place(p: Tensor, name: str, replicate_domain: Domain | None) -> tuple[Domain
             f"{layout.coordinate(domain.me)}); padded or custom local layouts are not "
             "supported"
         )
-    return domain, layout
+    return Placed(domain, layout)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muon_plugin.kernels.symmetric import upper_tile_count
+from muon_plugin.kernels.symmetric_tiles import upper_tile_count
 from muon_plugin.kernels.tuning_cache import TuningCache, source_hash
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

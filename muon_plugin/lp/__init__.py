@@ -3,8 +3,8 @@
 Layers, lowest first:
 
 - :mod:`~muon_plugin.lp.keys`: the state keys checkpoints store;
-- :mod:`~muon_plugin.lp.layout`, :mod:`~muon_plugin.lp.runtime`: DTensor layout of state
-  tensors; eager or compiled update functions and their constant tables;
+- :mod:`~muon_plugin.lp.runtime`: eager or compiled update functions and their constant
+  tables (the DTensor layout of state tensors is :mod:`muon_plugin.state_layout`'s);
 - :mod:`~muon_plugin.lp.codec`: the interface of a format (:class:`MomentumCodec`);
 - one module per format: :mod:`~muon_plugin.lp.bf16`, :mod:`~muon_plugin.lp.int8`,
   :mod:`~muon_plugin.lp.int4`, :mod:`~muon_plugin.lp.fp8` (with :mod:`~muon_plugin.lp.rank1`,
@@ -12,7 +12,7 @@ Layers, lowest first:
 - :mod:`~muon_plugin.lp.formats`: formats by ``state_dtype``, the choice per parameter;
 - :mod:`~muon_plugin.lp.checkpoint`: loading saved momentum of any format;
 - :mod:`~muon_plugin.lp.momentum`: stage 1 of a step, batched by shape;
-- :mod:`~muon_plugin.lp.optimizer`: the :class:`MuonLP` optimizer.
+- :mod:`~muon_plugin.lp.muon_lp`: the :class:`MuonLP` optimizer.
 
 int8 and fp8 need torchao (the ``lp`` extra), imported only when they run.
 """
@@ -33,7 +33,7 @@ from muon_plugin.lp.fp8 import Fp8Codec
 from muon_plugin.lp.int4 import Int4Codec
 from muon_plugin.lp.int8 import Int8Codec
 from muon_plugin.lp.momentum import QUANTIZED, QuantizedMomentum
-from muon_plugin.lp.optimizer import MuonLP
+from muon_plugin.lp.muon_lp import MuonLP
 
 __all__ = [
     "CODECS",

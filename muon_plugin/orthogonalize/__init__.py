@@ -3,30 +3,30 @@
 Pure functions, no optimizer state. The modules, bottom up (each imports only those above it,
 :mod:`muon_plugin.kernels` and :mod:`muon_plugin.defaults`):
 
-- :mod:`~muon_plugin.orthogonalize.coefficients`: coefficient schedules of the strategies and
-  the learning-rate shape rule;
+- :mod:`~muon_plugin.orthogonalize.coefficients`: coefficient schedules of the strategies;
 - :mod:`~muon_plugin.orthogonalize.iterations`: the iterations (:func:`iterate`,
   :func:`iterate_gram`, :class:`Normalization`) on an explicit :class:`IterationPath`;
 - :mod:`~muon_plugin.orthogonalize.spec`: :class:`MatrixSpec` and the walk over a stack of
-  whole updates (flattening, row blocks, the lr shape factor);
+  whole updates (flattening, row blocks, the output scale of each block);
 - :mod:`~muon_plugin.orthogonalize.paths`: :class:`ResolvedPath` and the rules that choose one;
 - :mod:`~muon_plugin.orthogonalize.graphs`: CUDA-graphed stacks;
 - :mod:`~muon_plugin.orthogonalize.backends`: the registry of named backends (``"auto"``,
   ``"cublas"``, ``"plain"``, :func:`register_backend`), resolved once per shape group;
-- :mod:`~muon_plugin.orthogonalize.api`: :func:`zeropower` and :func:`orthogonalize_stack`.
+- :mod:`~muon_plugin.orthogonalize.api`: :func:`zeropower` and :func:`orthogonalize_stack`,
+  and :func:`resolve_path` / :func:`run_path` (the plan's: once per shape group, every step).
 """
 
-from muon_plugin.orthogonalize.api import orthogonalize_stack, zeropower
+from muon_plugin.orthogonalize.api import orthogonalize_stack, resolve_path, run_path, zeropower
 from muon_plugin.orthogonalize.backends import (
     Backend,
     IterationBackend,
     backend_names,
+    canonical_backend,
     elementwise_kernels_allowed,
     get_backend,
     register_backend,
-    resolve_path,
-    run_path,
     validate_backend,
+    with_overrides,
 )
 from muon_plugin.orthogonalize.coefficients import (
     EPS,
@@ -37,7 +37,6 @@ from muon_plugin.orthogonalize.coefficients import (
     Coefficients,
     Schedule,
     coefficient_schedule,
-    lr_shape_factor,
     validate_coefficients,
     validate_steps,
 )
@@ -55,6 +54,7 @@ from muon_plugin.orthogonalize.paths import (
     GRAM_MIN_ASPECT,
     Features,
     ResolvedPath,
+    environment_overrides,
     iteration_path,
     use_gram_iteration,
 )
@@ -79,14 +79,15 @@ __all__ = [
     "ResolvedPath",
     "Schedule",
     "backend_names",
+    "canonical_backend",
     "coefficient_schedule",
     "elementwise_kernels_allowed",
+    "environment_overrides",
     "get_backend",
     "gram_restart_interval",
     "iterate",
     "iterate_gram",
     "iteration_path",
-    "lr_shape_factor",
     "orthogonalize_stack",
     "register_backend",
     "resolve_path",
@@ -95,6 +96,7 @@ __all__ = [
     "run_stack",
     "stack_bf16",
     "use_cuda_graph",
+    "with_overrides",
     "use_gram_iteration",
     "validate_backend",
     "validate_coefficients",

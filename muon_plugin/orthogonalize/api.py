@@ -2,23 +2,29 @@
 (a stack of whole parameter-shaped updates, the call the optimizer and the plan make).
 
 Both resolve their path through a backend (``"auto"`` unless told otherwise) and run it; the
-plan resolves once per shape group instead and runs the stored path
-(:mod:`muon_plugin.orthogonalize.backends`).
+plan resolves once per shape group instead (:func:`resolve_path`) and runs the stored path
+(:func:`run_path`). The backends themselves are in :mod:`muon_plugin.orthogonalize.backends`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from muon_plugin.orthogonalize.backends import iteration_backend, resolve_stack, run_path
+from muon_plugin.orthogonalize.backends import (
+    IterationBackend,
+    Stack,
+    get_backend,
+    with_overrides,
+)
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, coefficient_schedule
 from muon_plugin.orthogonalize.iterations import IterationPath, run_iteration
-from muon_plugin.orthogonalize.paths import ResolvedPath
-from muon_plugin.orthogonalize.spec import MatrixSpec
+from muon_plugin.orthogonalize.paths import ResolvedPath, environment_overrides
+from muon_plugin.orthogonalize.spec import MatrixSpec, stack_shape
 
 
 def zeropower(
@@ -65,16 +71,64 @@ def orthogonalize_stack(
     overwrite_input: bool = False,
     path: ResolvedPath | None = None,
 ) -> Tensor:
-    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the lr shape rule.
+    """Orthogonalize a stack ``(B, *param_shape)`` of whole updates, scaled by the spec.
 
     ``X`` is a tensor or a sequence of same-shape tensors (stacked here into a bf16 scratch
     buffer, which is then normalized in place). Returns a bf16 tensor ``(B, *param_shape)``.
-    Each matrix (or row block) is scaled by ``lr_shape_factor`` of its own shape, so
-    ``param -= lr * result`` is the Muon update. ``out_dtype`` casts the whole stack once (one
-    launch), which keeps the later multi-tensor update on its fast single-dtype path.
-    ``overwrite_input`` lets a bf16 tensor ``X`` be used as that scratch buffer. The path is
-    resolved by ``spec.backend`` for this stack (eagerly: graphs are the plan's), unless given.
+    Each matrix (or row block) is scaled by the spec's :meth:`~MatrixSpec.block_scale` of its
+    own shape (the optimizer's learning-rate shape factor; 1 without ``output_scale``).
+    ``out_dtype`` casts the whole stack once (one launch), which keeps the later multi-tensor
+    update on its fast single-dtype path. ``overwrite_input`` lets a bf16 tensor ``X`` be used
+    as that scratch buffer. The path is resolved by ``spec.backend`` for this stack (eagerly:
+    graphs are the plan's), unless given.
     """
     if path is None:
         path = resolve_stack(X, spec)
     return run_path(path, X, spec, out_dtype, overwrite_input=overwrite_input)
+
+
+def resolve_path(
+    shape: tuple[int, ...],
+    stack: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    spec: MatrixSpec,
+    graphs: bool = True,
+) -> ResolvedPath:
+    """The path of ``spec.backend`` for stacks of ``stack`` units of ``shape`` on ``device``;
+    without ``graphs``, for stacks that will run eagerly."""
+    backend = get_backend(spec.backend)
+    if not graphs:
+        backend = backend.without_graphs()
+    path = backend.resolve(tuple(shape), stack, device, dtype, spec)
+    return replace(path if graphs else path.eager(), backend=spec.backend)
+
+
+def resolve_stack(X: Stack, spec: MatrixSpec) -> ResolvedPath:
+    """The (eager) path of a one-off stack ``X`` (``B, *shape``), with the environment's
+    overrides (read now)."""
+    first = X if isinstance(X, Tensor) else X[0]
+    shape = stack_shape(X)
+    spec = replace(spec, backend=with_overrides(spec.backend, environment_overrides()))
+    return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec, graphs=False)
+
+
+def run_path(
+    path: ResolvedPath,
+    X: Stack,
+    spec: MatrixSpec,
+    out_dtype: torch.dtype | None = None,
+    *,
+    overwrite_input: bool = False,
+) -> Tensor:
+    """Run the stack ``X`` on an already resolved ``path`` (eagerly)."""
+    backend = get_backend(path.backend)
+    return backend.run(path, X, spec, out_dtype, overwrite_input=overwrite_input)
+
+
+def iteration_backend(name: str) -> IterationBackend:
+    """The built-in (iterating) backend ``name``; TypeError for a backend that does not iterate."""
+    backend = get_backend(name)
+    if not isinstance(backend, IterationBackend):
+        raise TypeError(f"backend {name!r} does not run the iteration (zeropower needs one)")
+    return backend

@@ -1,4 +1,4 @@
-"""Coefficient schedules of the orthogonalization iterations, and Muon's learning-rate shape rule.
+"""Coefficient schedules of the orthogonalization iterations.
 
 The strategies differ in their schedule (and ``"turbo_muon"`` in how the input is scaled):
 
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from muon_plugin.defaults import LR_ADJUSTMENTS, MAX_NS_STEPS, NS_EPS, STRATEGIES
+from muon_plugin.defaults import MAX_NS_STEPS, NS_EPS, STRATEGIES
 
 Coefficients = tuple[float, float, float]
 
@@ -120,16 +120,3 @@ def coefficient_schedule(
     table = safe + [POLAR_EXPRESS_COEFFICIENTS[-1]]
     coefficients = tuple(table[min(i, len(table) - 1)] for i in range(steps))
     return Schedule(coefficients, s)
-
-
-def lr_shape_factor(rows: int, cols: int, rule: str) -> float:
-    """The factor Muon's learning rate is multiplied by for a ``rows x cols`` matrix."""
-    if rule == "keller":
-        return math.sqrt(max(1.0, rows / cols))
-    if rule == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    if rule == "spectral":
-        return math.sqrt(rows / cols)
-    if rule == "none":
-        return 1.0
-    raise ValueError(f"unknown lr_adjust {rule!r}; expected one of {LR_ADJUSTMENTS}")

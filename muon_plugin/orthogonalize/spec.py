@@ -1,7 +1,7 @@
 """What is orthogonalized: :class:`MatrixSpec`, and the walk over a stack of whole updates.
 
-:func:`run_stack` applies a spec (flattening, row blocks of fused weights, the learning-rate
-shape rule) to a stack of parameter-shaped updates and hands each batch of matrices to a
+:func:`run_stack` applies a spec (flattening, row blocks of fused weights, the output scale of
+each block) to a stack of parameter-shaped updates and hands each batch of matrices to a
 backend's function; every backend shares it (see :mod:`muon_plugin.orthogonalize.backends`).
 """
 
@@ -14,10 +14,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, lr_shape_factor
+from muon_plugin.orthogonalize.coefficients import EPS, Coefficients
 
-# (matrices (b, rows, cols), lr shape factor, may overwrite them) -> bf16 (b, rows, cols)
+# (matrices (b, rows, cols), output scale, may overwrite them) -> bf16 (b, rows, cols)
 MatrixFunction = Callable[[Tensor, float, bool], Tensor]
+
+OutputScale = Callable[[int, int], float]
+"""The factor an orthogonalized ``rows x cols`` matrix (or row block) is multiplied by."""
+
+
+@dataclass(frozen=True)
+class RowNormalization:
+    """NorMuon's stage after the orthogonalization (see :mod:`muon_plugin.orthogonalize.normuon`):
+    the per-row second-moment EMA's ``beta2``, the ``eps`` added to its root, and the
+    ``rescale`` rule (``muon_plugin.defaults.NORMUON_RESCALES``)."""
+
+    beta2: float
+    eps: float
+    rescale: str
 
 
 @dataclass(frozen=True)
@@ -30,17 +44,24 @@ class MatrixSpec:
     the strategy's schedule when set; ``eps`` bounds the input norm from below. ``backend``
     names the orthogonalization backend (``muon_plugin.defaults.BACKENDS`` or one added with
     :func:`~muon_plugin.orthogonalize.backends.register_backend`), resolved once per shape group.
+    ``normalization`` (NorMuon), when set, normalizes the rows of each orthogonalized matrix on
+    the rank that orthogonalized it; the backends ignore it. ``output_scale`` multiplies each
+    orthogonalized matrix (or row block) by a factor of its shape, folded into the last step
+    (None: 1); the optimizer puts its learning-rate shape rule there
+    (:class:`muon_plugin.learning_rate.LrShapeRule`), which must then be hashable and have a
+    ``repr`` every rank agrees on.
     """
 
     steps: int = 5
     strategy: str = "polar_express"
-    lr_adjust: str = "keller"
+    output_scale: OutputScale | None = None
     flatten: bool = False
     split_sizes: tuple[int, ...] | None = None
     compile: bool = False
     coefficients: Coefficients | None = None
     eps: float = EPS
     backend: str = "auto"
+    normalization: RowNormalization | None = None
 
     def matrix_view(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """``(batch, rows, cols)`` of the matrices a parameter of ``shape`` is made of."""
@@ -61,6 +82,15 @@ class MatrixSpec:
         if len(blocks) == 1:
             return [(rows, cols, stack * batch)]
         return [(size, cols, stack * batch * blocks.count(size)) for size in sorted(set(blocks))]
+
+    def row_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the per-row state of a parameter of ``shape``: one entry per row of each of
+        its matrices (``shape[:-1]``; ``(shape[0],)`` when flattened)."""
+        return (shape[0],) if self.flatten else tuple(shape[:-1])
+
+    def block_scale(self, rows: int, cols: int) -> float:
+        """The factor an orthogonalized ``rows x cols`` matrix (or row block) is multiplied by."""
+        return 1.0 if self.output_scale is None else self.output_scale(rows, cols)
 
     def flops(self, shape: tuple[int, ...]) -> float:
         """Matmul FLOPs of orthogonalizing one parameter of ``shape`` (plain-matmul count)."""
@@ -103,8 +133,8 @@ def run_stack(
     buffer, which ``matrices`` may then overwrite). With ``overwrite_input`` a contiguous bf16
     tensor ``X`` is that scratch buffer itself (the caller's: no copy), and the result may come
     back in it. Each matrix (or row block) is handed over as a 3-D batch with the
-    ``lr_shape_factor`` of its own shape, so ``param -= lr * result`` is the Muon update. Row
-    blocks of one size share a shape and a scale: one call for them.
+    :meth:`~MatrixSpec.block_scale` of its own shape. Row blocks of one size share a shape and
+    a scale: one call for them.
     """
     if isinstance(X, Tensor):
         scratch = overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous()
@@ -115,14 +145,14 @@ def run_stack(
     M = X.reshape(X.size(0) * batch, rows, cols)
     blocks = spec.row_blocks(param_shape)
     if len(blocks) == 1:
-        out = matrices(M, lr_shape_factor(rows, cols, spec.lr_adjust), scratch)
+        out = matrices(M, spec.block_scale(rows, cols), scratch)
         return out.reshape(X.shape)
     out = torch.empty(M.shape, dtype=torch.bfloat16, device=M.device)
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     for size in sorted(set(blocks)):
         picked = [s for s, b in zip(starts, blocks, strict=True) if b == size]
         stacked = torch.stack([M[:, s : s + size] for s in picked], dim=1)
-        factor = lr_shape_factor(size, cols, spec.lr_adjust)
+        factor = spec.block_scale(size, cols)
         result = matrices(stacked.view(-1, size, cols), factor, True).reshape(stacked.shape)
         for j, s in enumerate(picked):
             out[:, s : s + size] = result[:, j]

@@ -5,7 +5,7 @@ Enable it in the job TOML with ``[job] custom_config_module = "muon_plugin.torch
 in torchtitan. :func:`activate` does, idempotently:
 
 - switches torchtitan to CPU + gloo when the machine has no accelerator
-  (:mod:`muon_plugin.torchtitan.cpu`; nothing changes on GPUs),
+  (:mod:`muon_plugin.torchtitan.cpu_mode`; nothing changes on GPUs),
 - installs the optimizer hooks (:mod:`muon_plugin.torchtitan.register`).
 
 torchtitan 0.2.2 reads ``JobConfig`` (which adds the ``[optimizer.muon]`` section,
@@ -23,9 +23,9 @@ _CONFIG_NAMES = ("JobConfig", "MuonConfig", "Optimizer")
 
 def activate() -> None:
     """Apply the CPU mode (only without an accelerator) and install the optimizer hooks."""
-    from muon_plugin.torchtitan import cpu, register
+    from muon_plugin.torchtitan import cpu_mode, register
 
-    cpu.apply()
+    cpu_mode.apply()
     register.install()
 
 

@@ -1,7 +1,7 @@
 """Build the Muon optimizer for torchtitan's ``Trainer``: one optimizer per model part.
 
 ``build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None)`` has the
-signature of torchtitan's ``build_optimizers`` and returns a :class:`MuonOptimizersContainer`,
+signature of torchtitan's ``build_optimizers`` and returns a :class:`MuonOptimizersContainer022`,
 a subclass of torchtitan's ``OptimizersContainer`` whose single optimizer per model part holds
 all the param groups (Muon and AdamW): torchtitan's checkpointing (``state_dict`` /
 ``load_state_dict`` with ``flatten_optimizer_state_dict``), LR schedulers (one ``LambdaLR`` per
@@ -26,7 +26,7 @@ from muon_plugin.param_groups.options import MuonConfig, validate_optimizer_sect
 from muon_plugin.torchtitan.checkpoint import LR_HINT
 
 __all__ = [
-    "MuonOptimizersContainer",
+    "MuonOptimizersContainer022",
     "base_hyperparams",
     "build_muon_optimizers",
     "with_config_key",
@@ -45,9 +45,10 @@ def base_hyperparams(optimizer_config: Any) -> BaseHyperparams:
     )
 
 
-class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
-    """torchtitan's ``OptimizersContainer`` with one Muon optimizer per model part, built by
-    the adapter core (:func:`muon_plugin.adapter.job.build_job_optimizers`).
+class MuonOptimizersContainer022(JobContainerMixin, OptimizersContainer):
+    """torchtitan 0.2.2's ``OptimizersContainer`` with one Muon optimizer per model part, built
+    by the adapter core (:func:`muon_plugin.adapter.job.build_job_optimizers`); torchtitan 0.3's
+    is :class:`muon_plugin.torchtitan03.container.MuonOptimizersContainer`.
 
     A checkpoint load keeps this job's group settings and logs what changed
     (:func:`muon_plugin.adapter.resume.keep_job_settings_on_load`; ``lr`` and ``initial_lr``
@@ -88,7 +89,7 @@ def build_muon_optimizers(
     optimizer_config: Any,
     parallel_dims: Any,
     ft_manager: Any = None,
-) -> MuonOptimizersContainer:
+) -> MuonOptimizersContainer022:
     """torchtitan ``build_optimizers_fn`` for ``optimizer.name = "muon"``."""
     _check_supported(optimizer_config, ft_manager)
     validate_optimizer_section(optimizer_config)
@@ -99,6 +100,6 @@ def build_muon_optimizers(
             "optimizer.name = 'muon' but the job config has no [optimizer.muon] section "
             "(job.custom_config_module is not muon_plugin.torchtitan?): using the defaults"
         )
-    container = MuonOptimizersContainer(model_parts, cfg, base_hyperparams(optimizer_config))
+    container = MuonOptimizersContainer022(model_parts, cfg, base_hyperparams(optimizer_config))
     container.job.log_build(container.register_step_post_hook, logger)
     return container

@@ -24,7 +24,7 @@ def activate() -> bool:
     """Prepare torchtitan 0.3 for this machine (idempotent); True when the CPU mode is on.
 
     Without an accelerator: CPU devices, gloo, FSDP SUM reductions, eager FlexAttention
-    (:mod:`muon_plugin.torchtitan03.cpu`). With any device: on a torch without
+    (:mod:`muon_plugin.torchtitan03.cpu_mode`). With any device: on a torch without
     ``torch.distributed.set_timeout`` (before 2.14) torchtitan's post-first-step timeout change
     is skipped with a warning instead of failing (:mod:`muon_plugin.torchtitan03.compat`).
     Always: rank 0 logs the end-of-run summary (loss, throughput, peak memory, checkpoints;
@@ -32,9 +32,9 @@ def activate() -> bool:
     state is refused by name (:mod:`muon_plugin.torchtitan.checkpoint`).
     """
     from muon_plugin.torchtitan import checkpoint
-    from muon_plugin.torchtitan03 import compat, cpu, summary
+    from muon_plugin.torchtitan03 import compat, cpu_mode, summary
 
     compat.apply()
     summary.install()
     checkpoint.install()
-    return cpu.apply()
+    return cpu_mode.apply()

@@ -10,7 +10,7 @@
 - :mod:`muon_plugin.torchtune.init_checkpoint`: a random starting checkpoint for a config.
 """
 
-from muon_plugin.torchtune.optimizer import muon
+from muon_plugin.torchtune.component import muon
 from muon_plugin.torchtune.options import TorchtuneConfigError
 from muon_plugin.torchtune.tokenizer import text_tokenizer
 

@@ -18,11 +18,11 @@ DCP), subclassed, except:
   ``model.parameters()``, so ``muon_plugin.torchtune.muon`` can apply its parameter classes;
 - ``optimizer_in_bwd: true`` is refused before anything starts; a config error ends the run with
   one line from rank 0, ``config error: <key>: ...``;
-- on ``device: cpu`` the recipe runs on gloo (:mod:`muon_plugin.torchtune.cpu`);
+- on ``device: cpu`` the recipe runs on gloo (:mod:`muon_plugin.torchtune.cpu_mode`);
 - the DCP resume restores the LR scheduler's ``initial_lr`` (torchtune 0.6.1 drops it, for
   every optimizer, and the scheduler then refuses to resume);
 - a resume keeps the config's optimizer settings (lr included) and logs what changed
-  (:func:`muon_plugin.torchtune.optimizer.muon`); a checkpoint of another optimizer is refused
+  (:func:`muon_plugin.torchtune.component.muon`); a checkpoint of another optimizer is refused
   by name (:mod:`muon_plugin.torchtune.resume`);
 - rank 0 logs the end-of-run summary (:mod:`muon_plugin.torchtune.summary`).
 """
@@ -41,8 +41,8 @@ from torchtune import config, training, utils
 
 from muon_plugin.adapter.summary import RunSummary
 from muon_plugin.torchtune.checks import check_recipe_config
-from muon_plugin.torchtune.cpu import on_cpu, own_checkpoint_group
-from muon_plugin.torchtune.optimizer import job_of
+from muon_plugin.torchtune.component import job_of
+from muon_plugin.torchtune.cpu_mode import on_cpu, own_checkpoint_group
 from muon_plugin.torchtune.options import TorchtuneConfigError
 from muon_plugin.torchtune.resume import check_resumed_state
 from muon_plugin.torchtune.summary import record_run

@@ -6,7 +6,7 @@ torchtune 0.6.1 resumes the optimizer from the rank-0 full state dict in ``recip
 resumed with Muon) fails there with a param-group count mismatch, or, on the DCP path, is caught
 by the recipe, which warns and starts from the base checkpoint. :func:`check_resumed_state`
 refuses it first, naming the parameter, both sets of state names and the way out. The group
-settings themselves are the job's on every path (:func:`muon_plugin.torchtune.optimizer.muon`).
+settings themselves are the job's on every path (:func:`muon_plugin.torchtune.component.muon`).
 """
 
 from __future__ import annotations

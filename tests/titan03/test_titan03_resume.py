@@ -25,7 +25,7 @@ STEPS, SPLIT = 4, 2
 def llama3_debug() -> torch.nn.Module:
     from torchtitan.models.llama3 import model_registry
 
-    from muon_plugin.torchtitan03.cpu import eager_flex_attention_on_cpu
+    from muon_plugin.torchtitan03.cpu_mode import eager_flex_attention_on_cpu
 
     eager_flex_attention_on_cpu()
     torch.manual_seed(0)

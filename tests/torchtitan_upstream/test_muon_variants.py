@@ -1,7 +1,7 @@
 """torchtitan 0.2.2's optimizer-building unit tests again, with ``optimizer.name = "muon"``.
 
 - ``test_lr_scheduler.py``: every schedule test, with the optimizer the plugin builds
-  (``MuonOptimizersContainer``, Muon on the weight matrix, AdamW on the bias) instead of Adam.
+  (``MuonOptimizersContainer022``, Muon on the weight matrix, AdamW on the bias) instead of Adam.
 - ``test_train_spec.py``: ``test_optim_hook`` with a train spec whose builder is the plugin's,
   for "muon" (the hook runs after a Muon step) and for a ``None`` config (torchtitan's test
   passes ``None`` to its custom builder).
@@ -27,7 +27,7 @@ from torchtitan.protocols import BaseModelArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from muon_plugin.torchtitan import register
-from muon_plugin.torchtitan.builder import MuonOptimizersContainer
+from muon_plugin.torchtitan.builder import MuonOptimizersContainer022
 
 PARALLEL_DIMS = SimpleNamespace(ep_enabled=False, pp_enabled=False)
 
@@ -55,7 +55,7 @@ class TestLRSchedulerMuon(TestLRScheduler):
     def setUp(self):
         self.model = torch.nn.Linear(10, 10)
         container = register.build_optimizers([self.model], muon_config(0.1), PARALLEL_DIMS)
-        assert isinstance(container, MuonOptimizersContainer)
+        assert isinstance(container, MuonOptimizersContainer022)
         self.optimizer = container.optimizers[0]
         assert [g["algorithm"] for g in self.optimizer.param_groups] == ["muon", "adamw"]
         self.optimizer._opt_called = True

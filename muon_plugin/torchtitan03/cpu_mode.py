@@ -5,13 +5,15 @@ Without an accelerator it
 
 1. switches ``device_type`` / ``device_module`` to the CPU in every loaded torchtitan module
    and makes FSDP2 reduce with plain ``SUM`` (gloo has no ``PREMUL_SUM``): the same shims as
-   for torchtitan 0.2.2, :mod:`muon_plugin.torchtitan.cpu`;
+   for torchtitan 0.2.2, :mod:`muon_plugin.torchtitan.cpu_mode`;
 2. runs FlexAttention (the only attention 0.3's language models offer besides flash-based
    ``varlen``) eagerly: torch refuses FlexAttention's backward on CPU tensors
    (``_validate_device``) and inductor has no CPU backward for it, but the eager
    implementation differentiates fine.
 
-On a machine with an accelerator nothing is changed. Idempotent.
+On a machine with an accelerator nothing is changed. Idempotent. Users need it (the CPU runs),
+and it has to reach into torchtitan's and torch's modules: neither offers a public switch for
+this.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def apply() -> bool:
     Returns True when the CPU mode is (now) active, False when an accelerator exists.
     """
     global _applied
-    from muon_plugin.torchtitan import cpu as cpu_common
+    from muon_plugin.torchtitan import cpu_mode as cpu_common
 
     if _applied:
         return True
