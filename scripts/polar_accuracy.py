@@ -47,7 +47,7 @@ from benchmark import ORTHO_SHAPES, exact_polar, low_rank_plus_noise, scale_shap
 
 import muon_plugin.orthogonalize.iterations as iterations  # noqa: E402
 from muon_plugin.orthogonalize import IterationPath, Schedule, run_iteration, zeropower  # noqa: E402
-from muon_plugin.orthogonalize.backends import iteration_backend  # noqa: E402
+from muon_plugin.orthogonalize.api import iteration_backend  # noqa: E402
 from muon_plugin.orthogonalize.paths import Features, iteration_path  # noqa: E402
 
 VARIANTS = (

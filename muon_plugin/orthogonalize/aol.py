@@ -38,3 +38,20 @@ def scaled_rows(X: Tensor, factors: Tensor, dtype: torch.dtype) -> Tensor:
     with ``X``'s strides (one pass)."""
     out = torch.empty_like(X, dtype=dtype)
     return torch.mul(X, factors.mT, out=out)
+
+
+def aol_start(
+    gram32: Tensor, X: Tensor, factors: Tensor, half: bool, fold: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The x-space loop's first step with AOL: ``(D A D, X, factors or None)`` from the fp32
+    Gram matrix ``A`` (overwritten) and the factors ``D``. ``D A D`` comes back in the loop's
+    dtype (fp16 with ``half``, else X's); ``X`` comes back as ``D X`` (with ``half`` a new fp16
+    copy, else scaled in place) unless ``fold``, which returns ``X`` as it is and the factors,
+    for the first ``Q`` (``X <- (Q D) X``: no ``m x n`` pass)."""
+    first_gram = scale_gram_(gram32, factors).to(torch.float16 if half else X.dtype)
+    if half:
+        return first_gram, scaled_rows(X, factors, torch.float16), None
+    if fold:
+        return first_gram, X, factors
+    X.mul_(factors.mT)
+    return first_gram, X, None

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from muon_plugin.kernels import gram
 from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
-from muon_plugin.orthogonalize.aol import aol_factors, scale_gram_, scaled_rows
+from muon_plugin.orthogonalize.aol import aol_factors, aol_start, scale_gram_
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
 
 SPACES = ("x", "gram")
@@ -276,9 +276,11 @@ def _loop_input(
 ) -> tuple[Tensor, Normalization | None, Tensor | None, Tensor | None]:
     """The loop's input, normalized here unless the kernel folds the norm into the first step
     (then ``normalize`` comes back): ``(X, normalize, first Gram matrix, factors to fold)``,
-    the last two from :func:`_aol_start` with AOL, else None."""
+    the last two with AOL (its first Gram matrix formed here once, in fp32), else None."""
     if normalize is not None and normalize.aol:
-        first_gram, X, fold = _aol_start(X, normalize, path)
+        A32 = gram(X, out_dtype=torch.float32, kernel=path.xx_triton, tma=path.tma)
+        half = path.products == "fp16"
+        first_gram, X, fold = aol_start(A32, X, normalize.factors(A32), half, path.mm_triton)
         return X, None, first_gram, fold
     if path.products == "fp16":
         X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
@@ -287,26 +289,6 @@ def _loop_input(
         normalize.scale_(X, path.uses_triton)
         return X, None, None, None
     return X, normalize, None, None
-
-
-def _aol_start(
-    X: Tensor, normalize: Normalization, path: IterationPath
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """AOL's scaling for :func:`_iterate_loop`: ``(D A D, X, factors)``. ``A = X X^T`` is
-    formed once, in fp32, and ``D A D`` comes back in the loop's dtype for its first step; the
-    returned ``X`` is ``D X`` (the fp16 copy, or ``X`` scaled in place) unless the factors come
-    back too, to be folded into the first ``Q`` (the kernel's Q-form: no ``m x n`` pass)."""
-    A32 = gram(X, out_dtype=torch.float32, kernel=path.xx_triton, tma=path.tma)
-    factors = normalize.factors(A32)
-    half = path.products == "fp16"
-    first_gram = scale_gram_(A32, factors).to(torch.float16 if half else X.dtype)
-    del A32
-    if half:
-        return first_gram, scaled_rows(X, factors, torch.float16), None
-    if path.mm_triton:
-        return first_gram, X, factors
-    X.mul_(factors.mT)
-    return first_gram, X, None
 
 
 def _is_transposed(X: Tensor) -> bool:
