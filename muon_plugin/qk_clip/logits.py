@@ -60,6 +60,9 @@ class Visibility:
     offset: int = 0
     mask_mod: MaskMod | None = None
     """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` (a ``BlockMask``'s)."""
+    mask_shape: tuple[int, int] | None = None
+    """``(B, H)`` the ``mask_mod`` is defined over (a ``BlockMask``'s first two dims; 1
+    broadcasts); None: the batch and query heads of ``q``."""
     dense: Tensor | None = None
     """Boolean ``[B, Lq, Lk]`` or ``[B, 1 or Hq, Lq, Lk]``, True = visible."""
     documents: Tensor | None = None
@@ -99,9 +102,10 @@ class Visibility:
             mask = both(inside.view(1, 1, q_stop - q_start, lk))
         if self.mask_mod is not None:
             fn = _vmap_mask_mod(self.mask_mod)
+            mb, mh = self.mask_shape or (b, hq)
             m = fn(
-                torch.arange(b, device=device),
-                torch.arange(hq, device=device),
+                torch.arange(mb, device=device),
+                torch.arange(mh, device=device),
                 torch.arange(q_start, q_stop, device=device),
                 torch.arange(lk, device=device),
             )
