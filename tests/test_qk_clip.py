@@ -364,3 +364,48 @@ def test_report_lines() -> None:
     assert "0 heads clipped" in line
     assert "previous step now: layers.0.attention h1 2, layers.0.attention h2 1.5" in line
     assert clip.report().clipped_total == 2
+
+
+def test_selective_activation_checkpointing_neither_caches_nor_breaks() -> None:
+    """Under selective activation checkpointing that saves every matmul, the statistic's own
+    matmuls stay out of the checkpoint's cache (no memory kept, no 'cached tensor mutated'),
+    the recomputation records the same max again, and the gradients are those of a plain run."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    layer = GQALayer(16, 4, 2, 4)
+    x = inputs().requires_grad_()
+    clip = QKClip([layer.heads()], tau=1e9)
+    cached: list = []
+
+    def policy(ctx, func, *args, **kwargs):
+        if not ctx.is_recompute and func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+            cached.append(func)
+        return (
+            CheckpointPolicy.MUST_SAVE if "mm" in str(func) else CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
+    def attention(t):
+        q, k = layer.qk(t)
+        clip.record(0, q, k, visible=Visibility(causal=True))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1), is_causal=True
+        )
+
+    out = checkpoint(
+        attention,
+        x,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy),
+    )
+    recorded = clip._running.clone()
+    out.square().sum().backward()  # recomputes attention(), which records again
+    assert torch.equal(clip._running, recorded)
+    assert len(cached) == 2  # the model's two projections (q, k), not the statistic's products
+    grad = x.grad.clone()
+    x.grad = None
+    attention(x).square().sum().backward()
+    torch.testing.assert_close(x.grad, grad)

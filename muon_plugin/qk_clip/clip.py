@@ -32,7 +32,13 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from muon_plugin.defaults import QK_CLIP_ALPHA, QK_CLIP_CHUNK_BYTES, QK_CLIP_GQA_RULE
 from muon_plugin.distributed.layout import local
 from muon_plugin.qk_clip.heads import AttentionHeads
-from muon_plugin.qk_clip.logits import Visibility, max_logit_per_head, should_record
+from muon_plugin.qk_clip.logits import (
+    Visibility,
+    is_real,
+    max_logit_per_head,
+    outside_dispatch_modes,
+    should_record,
+)
 from muon_plugin.qk_clip.rescale import HeadRange, RowPlan, plan_rows
 from muon_plugin.qk_clip.rule import ClipRule, LocalLayer
 
@@ -232,7 +238,8 @@ class QKClip:
 
         ``q``: ``[B, local query heads, Lq, D]``, ``k``: ``[B, local key heads, Lk, D]``, the
         tensors the attention multiplies (after rope and norms); nothing is recorded without
-        autograd (validation, inference).
+        autograd (validation, inference) or for meta / fake tensors. The computation runs
+        outside any dispatch mode (:func:`~muon_plugin.qk_clip.logits.outside_dispatch_modes`).
         """
         if not should_record():
             return
@@ -240,14 +247,17 @@ class QKClip:
             q = q.to_local()
         if isinstance(k, DTensor):
             k = k.to_local()
+        if not (is_real(q) and is_real(k)):
+            return
         r = self.ranges[layer]
         if q.shape[1] != r.n_q:
             raise ValueError(
                 f"QK-Clip: attention {self.layers[layer].name!r} ran with {q.shape[1]} query "
                 f"heads on this rank, its parameters give it {r.n_q}"
             )
-        s = max_logit_per_head(q, k, scale=scale, visible=visible, chunk_bytes=self.chunk_bytes)
-        self.record_max(layer, s)
+        with outside_dispatch_modes():
+            s = max_logit_per_head(q, k, scale=scale, visible=visible, chunk_bytes=self.chunk_bytes)
+            self.record_max(layer, s)
 
     def record_max(self, layer: int, s: Tensor) -> None:
         """Fold per-head max logits ``s`` (``[local query heads]``) into ``layer``'s."""

@@ -18,7 +18,8 @@ uses key head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa`` does).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,13 @@ from torch import Tensor
 
 from muon_plugin.defaults import QK_CLIP_CHUNK_BYTES
 
-__all__ = ["Visibility", "max_logit_per_head", "should_record"]
+__all__ = [
+    "Visibility",
+    "is_real",
+    "max_logit_per_head",
+    "outside_dispatch_modes",
+    "should_record",
+]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -36,6 +43,28 @@ def should_record() -> bool:
     (validation and generation run under ``no_grad`` / ``inference_mode`` and are left out;
     a checkpointed layer's recomputation counts again, which the MAX makes harmless)."""
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def is_real(t: Tensor) -> bool:
+    """Whether ``t`` holds data (not a meta or fake tensor of a tracing / estimating pass)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+@contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Run the statistic outside any active ``TorchDispatchMode``: selective activation
+    checkpointing caches the outputs of matmuls it sees (and refuses later in-place changes),
+    which for the statistic's logits would be memory never freed; the statistic is no part of
+    the model's computation. Under ``torch.compile`` tracing, nothing changes."""
+    if torch.compiler.is_compiling():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def _vmap_mask_mod(mask_mod: MaskMod) -> MaskMod:
