@@ -366,20 +366,28 @@ def test_report_lines() -> None:
     assert clip.report().clipped_total == 2
 
 
-def test_selective_activation_checkpointing_neither_caches_nor_breaks() -> None:
+def test_selective_activation_checkpointing_neither_caches_nor_breaks(monkeypatch) -> None:
     """Under selective activation checkpointing that saves every matmul, the statistic's own
     matmuls stay out of the checkpoint's cache (no memory kept, no 'cached tensor mutated'),
-    the recomputation records the same max again, and the gradients are those of a plain run."""
+    the recomputation in the backward is not computed again, and the gradients are those of a
+    plain run."""
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,
         create_selective_checkpoint_contexts,
     )
 
+    import muon_plugin.qk_clip.clip as clip_module
+
     layer = GQALayer(16, 4, 2, 4)
     x = inputs().requires_grad_()
     clip = QKClip([layer.heads()], tau=1e9)
     cached: list = []
+    calls = []
+    count = clip_module.max_logit_per_head
+    monkeypatch.setattr(
+        clip_module, "max_logit_per_head", lambda *a, **k: calls.append(1) or count(*a, **k)
+    )
 
     def policy(ctx, func, *args, **kwargs):
         if not ctx.is_recompute and func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
@@ -402,10 +410,33 @@ def test_selective_activation_checkpointing_neither_caches_nor_breaks() -> None:
         context_fn=lambda: create_selective_checkpoint_contexts(policy),
     )
     recorded = clip._running.clone()
-    out.square().sum().backward()  # recomputes attention(), which records again
-    assert torch.equal(clip._running, recorded)
+    out.square().sum().backward()  # recomputes attention(): not recorded a second time
+    assert torch.equal(clip._running, recorded) and len(calls) == 1
     assert len(cached) == 2  # the model's two projections (q, k), not the statistic's products
     grad = x.grad.clone()
     x.grad = None
     attention(x).square().sum().backward()
     torch.testing.assert_close(x.grad, grad)
+
+
+def test_reentrant_checkpointing_records_the_recomputation() -> None:
+    """Reentrant checkpointing runs the forward without autograd (not recorded) and the
+    recomputation in the backward with it: that one is recorded, once."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = GQALayer(16, 4, 2, 4)
+    x = inputs().requires_grad_()
+    plain = QKClip([layer.heads()], tau=1e9)
+    plain.record(0, *layer.qk(x), visible=Visibility(causal=True))
+    clip = QKClip([layer.heads()], tau=1e9)
+
+    def attention(t):
+        q, k = layer.qk(t)
+        clip.record(0, q, k, visible=Visibility(causal=True))
+        return (q.sum(-1, keepdim=True) * k.repeat_interleave(2, 1)).sum()
+
+    out = checkpoint(attention, x, use_reentrant=True)
+    assert clip._forwards == [0] and torch.isinf(clip._running).all()
+    out.backward()
+    assert clip._forwards == [0]
+    assert torch.equal(clip.reduced(), plain.reduced())

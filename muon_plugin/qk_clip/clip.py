@@ -201,6 +201,7 @@ class QKClip:
         self._clipped = torch.zeros(n, dtype=torch.bool, device=device)
         self._previous = torch.zeros(n, dtype=torch.bool, device=device)
         self._clipped_total = torch.zeros((), dtype=torch.int64, device=device)
+        self._forwards = [0] * len(self.layers)  # forwards recorded this step, per layer
         self.steps = 0
 
     @property
@@ -238,11 +239,20 @@ class QKClip:
 
         ``q``: ``[B, local query heads, Lq, D]``, ``k``: ``[B, local key heads, Lk, D]``, the
         tensors the attention multiplies (after rope and norms); nothing is recorded without
-        autograd (validation, inference) or for meta / fake tensors. The computation runs
-        outside any dispatch mode (:func:`~muon_plugin.qk_clip.logits.outside_dispatch_modes`).
+        autograd (validation, inference) or for meta / fake tensors. An activation-checkpointed
+        layer's recomputation (inside the backward) is skipped when its forward was recorded
+        (non-reentrant checkpointing); after a forward without autograd (reentrant
+        checkpointing) the recomputation is the one recorded. The computation runs outside any
+        dispatch mode (:func:`~muon_plugin.qk_clip.logits.outside_dispatch_modes`).
         """
         if not should_record():
             return
+        if not torch.compiler.is_compiling():
+            recomputing = torch._C._current_graph_task_id() != -1
+            if recomputing and self._forwards[layer]:
+                return
+            if not recomputing:
+                self._forwards[layer] += 1
         if isinstance(q, DTensor):
             q = q.to_local()
         if isinstance(k, DTensor):
@@ -273,6 +283,7 @@ class QKClip:
         inf = float("inf")
         s = torch.nan_to_num(self._running, nan=inf, posinf=inf, neginf=-inf)
         self._running.fill_(float("-inf"))
+        self._forwards = [0] * len(self.layers)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.group)
         return s
