@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from muon_plugin.adapter.qk_clip import AttentionSite, QKClipRefused, Recorder
@@ -82,6 +83,8 @@ def qk_clip_group(parallel_dims: Any) -> Any:
             f"{parallel_dims.cp}) splits each sequence's keys over ranks, so no rank sees a "
             f"head's logits; {WAY_OUT} or set parallelism.context_parallel_degree = 1"
         )
+    if not dist.is_initialized():  # one process: nothing to reduce over
+        return None
     mesh = parallel_dims.get_optional_mesh("loss")
     return None if mesh is None else mesh.get_group()
 

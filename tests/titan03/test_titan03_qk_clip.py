@@ -155,7 +155,29 @@ def test_the_container_finds_the_trainers_parallel_dims() -> None:
 
     remember_parallel_dims()
     remember_parallel_dims()  # idempotent
+    from muon_plugin.torchtitan03 import qk_clip
+
     dims = ParallelDims.from_config(ParallelismConfig(), 1)
     assert remembered_parallel_dims() is dims
+    qk_clip._parallel_dims.clear()
     one_process = SimpleNamespace(cp=1, get_optional_mesh=lambda name: None)
     assert qk_clip_group(one_process) is None  # nothing to reduce over
+
+
+def test_options_from_the_config_and_its_toml_table(tmp_path) -> None:
+    """``optimizer.muon.qk_clip_*`` in the Python config or in the ``muon_toml`` table: the
+    container clips; a bad value names its key."""
+    from muon_plugin.torchtitan03.container import MuonOptimizersContainer
+
+    toml = tmp_path / "m.toml"
+    toml.write_text('[optimizer.muon]\nqk_clip_tau = 50.0\nqk_clip_gqa = "group"\n')
+    model = build("llama3")
+    container = MuonOptimizersContainer.Config(muon_toml=str(toml)).build(model_parts=[model])
+    clip = container.job.qk_clip
+    assert clip is not None and clip.tau == 50.0 and clip.rule.gqa_rule == "group"
+    assert "qk-clip tau 50 alpha 0.5 gqa group" in container.job.format_build_summary()
+    with pytest.raises(ValueError, match=r"optimizer\.muon\.qk_clip_alpha: invalid value 2"):
+        MuonOptimizersContainer.Config(muon=MuonConfig(qk_clip_alpha=2))
+    toml.write_text("[optimizer.muon]\nqk_clip_tau = -3.0\n")
+    with pytest.raises(ValueError, match=r"optimizer\.muon\.qk_clip_tau: invalid value -3\.0"):
+        MuonOptimizersContainer.Config(muon_toml=str(toml)).build(model_parts=[model])

@@ -71,6 +71,10 @@ CASES = {
         "optimizer.muon.ns_steps: invalid value 0; expected ",
     ),
     "toml-typo": (["--optimizer.muon_toml", "{tmp}/bad.toml"], _TYPO.format("in {tmp}/bad.toml")),
+    "qk-clip-tau": (
+        ["--optimizer.muon.qk_clip_tau", "-1"],
+        "optimizer.muon.qk_clip_tau: invalid value -1.0; expected a finite number > 0",
+    ),
 }
 """name -> (overrides, how the one line after "config error: " starts); {tmp}: a temporary
 folder."""

@@ -119,3 +119,15 @@ def test_qk_norm_is_refused_naming_the_key() -> None:
     model.layers[0].attn.q_norm = torch.nn.RMSNorm(32)
     with pytest.raises(QKClipRefused, match=r"layers\.0\.attn \(MultiHeadAttention\).*q_norm"):
         build_qk_clip([model], MuonConfig(qk_clip_tau=1.0), describe_attention, None)
+
+
+def test_section_keys_are_validated_and_reach_the_clip() -> None:
+    from muon_plugin.torchtune import TorchtuneConfigError
+    from muon_plugin.torchtune.options import parse_optimizer_section
+
+    section = parse_optimizer_section({"qk_clip_tau": 100, "qk_clip_gqa": "group"})
+    assert section.muon.qk_clip_tau == 100 and section.muon.qk_clip_gqa == "group"
+    with pytest.raises(TorchtuneConfigError, match=r"^optimizer\.qk_clip_tau: invalid value -1"):
+        parse_optimizer_section({"qk_clip_tau": -1})
+    with pytest.raises(TorchtuneConfigError, match=r"optimizer\.qk_clip_alpha: invalid value 2"):
+        parse_optimizer_section({"qk_clip_alpha": 2})
