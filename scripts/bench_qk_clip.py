@@ -5,8 +5,9 @@ Rows (medians; GPU: CUDA events, CPU: wall clock):
 
 1. ``attention fwd+bwd``: one layer's SDPA (causal, GQA) forward and backward, bf16, the
    reference the statistic is compared with;
-2. ``statistic``: :func:`muon_plugin.qk_clip.max_logit_per_head` on that layer's q and k (one
-   chunked ``q k^T`` with fp32 products, no softmax, no ``P V``, no backward);
+2. ``statistic``: :func:`muon_plugin.qk_clip.max_logit_per_head` on that layer's q and k, by
+   each of its paths: FlexAttention's fused forward with ``max_scores`` (CUDA) and the chunked
+   ``q k^T`` with fp32 products (no softmax, no ``P V``, no backward);
 3. ``clip``: :meth:`muon_plugin.qk_clip.QKClip.step` for ``--layers`` layers' ``wq`` / ``wk``
    (fp32, as FSDP keeps them): the factors and one multiply per parameter, no communication
    (one process);
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
 from results_md import write_section  # noqa: E402
 
+import muon_plugin.qk_clip.logits as logits  # noqa: E402
 from muon_plugin.qk_clip import (  # noqa: E402
     QKClip,
     Visibility,
@@ -90,11 +93,21 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
         max_logit_per_head(q.detach(), k.detach(), visible=Visibility(causal=True))
 
     att = timed(attention, device, reps)
-    stat = timed(statistic, device, reps)
-    return [
-        {"row": "attention fwd+bwd (SDPA, one layer)", "ms": att},
-        {"row": "statistic (max logit per head, one layer)", "ms": stat, "ratio": stat / att},
-    ]
+    rows = [{"row": "attention fwd+bwd (SDPA, one layer)", "ms": att}]
+    for path, switch in (("FlexAttention path", "1"), ("chunked path", "0")):
+        os.environ[logits.FLEX_ENV] = switch
+        logits._flex_state.pop("failed", None)
+        if switch == "1" and not logits._flex_available(q):
+            rows.append({"row": f"statistic, {path}: not available here", "ms": float("nan")})
+            continue
+        stat = timed(statistic, device, reps)
+        if switch == "1" and logits._flex_state.get("failed"):
+            rows.append({"row": f"statistic, {path}: failed (see the warning)", "ms": float("nan")})
+            continue
+        name = f"statistic (max logit per head, one layer), {path}"
+        rows.append({"row": name, "ms": stat, "ratio": stat / att})
+    os.environ.pop(logits.FLEX_ENV, None)
+    return rows
 
 
 def clip_row(shape: dict, device: torch.device, reps: int) -> dict:

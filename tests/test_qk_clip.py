@@ -440,3 +440,70 @@ def test_reentrant_checkpointing_records_the_recomputation() -> None:
     out.backward()
     assert clip._forwards == [0]
     assert torch.equal(clip.reduced(), plain.reduced())
+
+
+def test_flex_path_masks_and_plumbing_on_cpu(monkeypatch) -> None:
+    """The FlexAttention path (CUDA only) checked on a CPU: each visibility as one mask_mod
+    gives the chunked path's mask (torch's own ``create_mask``), and the path's call (zero V,
+    GQA, max over batch and queries) gives the chunked path's maxima when FlexAttention's
+    ``max_scores`` is played by a dense reference."""
+    import torch.nn.attention.flex_attention as flex
+
+    import muon_plugin.qk_clip.logits as logits
+
+    b, hq, hk, seq, d = 2, 4, 2, 10, 4
+    docs = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    dense = (docs[:, :, None] == docs[:, None, :]) & causal(seq, seq)
+    cases = {
+        "causal": Visibility(causal=True),
+        "window": Visibility(causal=True, window=(2, 0)),
+        "documents": Visibility(causal=True, documents=docs),
+        "dense": Visibility(dense=dense),
+        "mask_mod": Visibility(mask_mod=lambda bb, h, i, j: (j <= i) & (h != 1)),
+    }
+    for name, vis in cases.items():
+        want = vis.chunk(b, hq, 0, seq, seq, torch.device("cpu")).expand(b, hq, seq, seq)
+        got = flex.create_mask(vis.flex_mask_mod(hq), b, hq, seq, seq, device="cpu")
+        assert torch.equal(got, want), name
+
+    def fake_flex(q, k, v, *, block_mask, scale, enable_gqa, return_aux):
+        assert v.shape == (b, hk, seq, logits.FLEX_V_DIM) and enable_gqa
+        assert return_aux.max_scores
+        kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        mask = flex.create_mask(block_mask.mask_mod, b, hq, seq, seq, device="cpu")
+        scores = (q.float() @ kk.float().transpose(-1, -2) * scale).masked_fill(~mask, -torch.inf)
+        return None, flex.AuxOutput(lse=None, max_scores=scores.amax(-1))
+
+    monkeypatch.setattr(logits, "_flex_available", lambda q: True)
+    monkeypatch.setitem(logits._flex_state, "flex", fake_flex)
+    monkeypatch.setitem(logits._flex_state, "create", flex.create_block_mask)
+    monkeypatch.setitem(logits._flex_state, "masks", {})
+    torch.manual_seed(0)
+    q, k = torch.randn(b, hq, seq, d) * 2, torch.randn(b, hk, seq, d) * 2
+    for name, vis in cases.items():
+        got = max_logit_per_head(q, k, scale=0.5, visible=vis)
+        monkeypatch.setattr(logits, "_flex_available", lambda q: False)
+        want = max_logit_per_head(q, k, scale=0.5, visible=vis)
+        monkeypatch.setattr(logits, "_flex_available", lambda q: True)
+        torch.testing.assert_close(got, want, msg=name)
+    assert len(logits._flex_state["masks"]) == 2  # causal and window masks are cached
+
+
+def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog) -> None:
+    import muon_plugin.qk_clip.logits as logits
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(logits, "_flex_available", lambda q: not logits._flex_state.get("failed"))
+    monkeypatch.setitem(logits._flex_state, "flex", broken)
+    monkeypatch.setitem(logits._flex_state, "masks", {"x": None})
+    monkeypatch.setitem(logits._flex_state, "failed", False)
+    q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    vis = Visibility(causal=True)
+    with caplog.at_level("WARNING"):
+        got = max_logit_per_head(q, k, visible=Visibility(causal=True, block_mask=object()))
+    assert "the FlexAttention max-logit path failed" in caplog.text
+    assert logits._flex_state["failed"]
+    monkeypatch.setattr(logits, "_flex_available", lambda q: False)
+    assert torch.equal(got, max_logit_per_head(q, k, visible=vis))

@@ -5,6 +5,7 @@ judged."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,12 +26,14 @@ def test_bench_qk_clip_quick_run_writes_its_section(tmp_path: Path, capsys) -> N
     assert "<!-- bench_qk_clip:start -->" in text and "<!-- bench_qk_clip:end -->" in text
     for row in (
         "attention fwd+bwd (SDPA, one layer)",
-        "statistic (max logit per head, one layer)",
+        "statistic, FlexAttention path: not available here",
+        "statistic (max logit per head, one layer), chunked path",
         "clip after the step (2 layers' wq, wk)",
         "model step, QK-Clip off (bench_tiny)",
         "model step, QK-Clip on (bench_tiny)",
     ):
         assert f"| {row} |" in text, text
+    assert os.environ.get("MUON_PLUGIN_QK_CLIP_FLEX") is None  # the switch is left as it was
 
 
 def test_titan_tps_qk_clip_entry_is_a_valid_job() -> None:

@@ -2,13 +2,20 @@
 call already has.
 
 ``max_logit_per_head(q, k, scale=..., visible=...)`` computes ``max over (batch, i, j visible)
-of scale * q_i . k_j`` per query head, exactly (fp32 products: on CUDA a bf16/fp16 batched
-matmul with fp32 output, as the attention kernels accumulate; elsewhere the inputs in fp32), in
-query chunks so that its working memory stays under ``chunk_bytes``; never with autograd. It is
-the same number whatever attention backend the model runs (SDPA, FlexAttention, varlen), so one
-path serves every model; its cost is one extra ``q k^T`` product per attention call (without
-the softmax and the ``P V`` product), about a sixth of the attention's forward + backward
-matmul FLOPs, half that for causal masks (keys past a chunk's last query are skipped).
+of scale * q_i . k_j`` per query head, never with autograd, the same number whatever attention
+backend the model runs (SDPA, FlexAttention, varlen), by one of two paths:
+
+- on CUDA (torch with FlexAttention's ``max_scores``): one compiled FlexAttention forward over
+  ``q``, ``k`` and a zero ``V`` 16 wide, asking for its per-row max scores (fp32, after the
+  scale), with the call's own ``BlockMask`` or one built for it (causal masks cached). Fused: the
+  logits never leave the chip; it costs the ``q k^T`` product and the softmax's exponentials of
+  one attention forward (about a seventh of the attention's forward + backward FLOPs);
+- elsewhere (and as the fallback): the products in query chunks (fp32: a bf16/fp16 batched
+  matmul with fp32 output on CUDA, else the inputs in fp32), masked and reduced chunk by chunk so
+  that the working memory stays under ``chunk_bytes``; keys past a chunk's last query are
+  skipped under causal masks. Exact, but each chunk's logits pass through memory.
+
+``MUON_PLUGIN_QK_CLIP_FLEX=0`` keeps every call on the chunked path.
 
 Which (query, key) pairs count is a :class:`Visibility`: causal, a FlexAttention ``mask_mod``,
 a dense boolean mask, packed documents (varlen ``cu_seqlens``) with an optional window, or
@@ -18,9 +25,12 @@ uses key head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa`` does).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +46,12 @@ __all__ = [
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+logger = logging.getLogger(__name__)
+
+FLEX_ENV = "MUON_PLUGIN_QK_CLIP_FLEX"
+FLEX_V_DIM = 16
+"""The width of the zero ``V`` of the FlexAttention path (its ``P V`` product is that narrow)."""
 
 
 def should_record() -> bool:
@@ -92,6 +108,9 @@ class Visibility:
     mask_shape: tuple[int, int] | None = None
     """``(B, H)`` the ``mask_mod`` is defined over (a ``BlockMask``'s first two dims; 1
     broadcasts); None: the batch and query heads of ``q``."""
+    block_mask: Any = None
+    """The call's own FlexAttention ``BlockMask`` (its ``mask_mod`` is then ``mask_mod``): the
+    FlexAttention path uses it as it is."""
     dense: Tensor | None = None
     """Boolean ``[B, Lq, Lk]`` or ``[B, 1 or Hq, Lq, Lk]``, True = visible."""
     documents: Tensor | None = None
@@ -148,6 +167,117 @@ class Visibility:
             mask = both(same.unsqueeze(1))
         return mask
 
+    def flex_mask_mod(self, hq: int) -> MaskMod | None:
+        """The visibility as one FlexAttention ``mask_mod`` (None: everything visible); dense
+        masks and documents become index lookups."""
+        mods: list[MaskMod] = []
+        if self.causal:
+            offset = self.offset
+            mods.append(lambda b, h, i, j: j <= i + offset)
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                mods.append(lambda b, h, i, j: j >= i - left)
+            if right >= 0:
+                mods.append(lambda b, h, i, j: j <= i + right)
+        if self.mask_mod is not None:
+            mods.append(self.mask_mod)
+        if self.dense is not None:
+            dense = self.dense if self.dense.dim() == 4 else self.dense.unsqueeze(1)
+            dense = dense.to(torch.bool)
+            per_head = dense.shape[1] > 1
+            mods.append(lambda b, h, i, j: dense[b, h if per_head else 0, i, j])
+        if self.documents is not None:
+            docs = self.documents
+            mods.append(lambda b, h, i, j: docs[b, i] == docs[b, j])
+        if not mods:
+            return None
+        if len(mods) == 1:
+            return mods[0]
+
+        def both(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = mods[0](b, h, i, j)
+            for mod in mods[1:]:
+                out = out & mod(b, h, i, j)
+            return out
+
+        return both
+
+
+_flex_state: dict[str, Any] = {}
+
+
+def _flex_available(q: Tensor) -> bool:
+    """Whether the FlexAttention path serves ``q``: CUDA, a torch whose FlexAttention returns
+    max scores, not switched off, and not failed before."""
+    if not q.is_cuda or os.environ.get(FLEX_ENV, "1") == "0" or _flex_state.get("failed"):
+        return False
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return False
+    return "max_scores" in getattr(AuxRequest, "__dataclass_fields__", {})
+
+
+def _flex_block_mask(visible: Visibility, b: int, hq: int, lq: int, lk: int, device) -> Any:
+    """The ``BlockMask`` of ``visible`` for these sizes: the call's own, a cached causal (or
+    all-visible) one, or one built for the call (compiled ``create_block_mask``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if visible.block_mask is not None:
+        return visible.block_mask
+    plain = visible.mask_mod is None and visible.dense is None and visible.documents is None
+    key = (visible.causal, visible.offset, visible.window, lq, lk, str(device))
+    cache = _flex_state.setdefault("masks", {})
+    if plain and key in cache:
+        return cache[key]
+    mod = visible.flex_mask_mod(hq) or (lambda bb, h, i, j: i >= 0)
+    if visible.mask_mod is not None and visible.mask_shape is not None:
+        mb, mh = visible.mask_shape
+    elif visible.dense is not None or visible.documents is not None:
+        mb, mh = b, None
+    else:
+        mb, mh = None, None
+    if "create" not in _flex_state:
+        _flex_state["create"] = torch.compile(create_block_mask)
+    mask = _flex_state["create"](mod, mb, mh, lq, lk, device=device)
+    if plain:
+        if len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        cache[key] = mask
+    return mask
+
+
+def _flex_max(q: Tensor, k: Tensor, scale: float, visible: Visibility) -> Tensor | None:
+    """The max logit per query head through one compiled FlexAttention forward with a zero
+    ``V`` (its ``max_scores``); None when that fails (then never tried again, with a warning)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    b, hq, lq, _ = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    try:
+        block_mask = _flex_block_mask(visible, b, hq, lq, lk, q.device)
+        if "flex" not in _flex_state:
+            _flex_state["flex"] = torch.compile(flex_attention)
+        v = q.new_zeros(b, hk, lk, FLEX_V_DIM)
+        _, aux = _flex_state["flex"](
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=hq != hk,
+            return_aux=AuxRequest(max_scores=True),
+        )
+        return aux.max_scores.float().amax(dim=(0, 2))
+    except Exception as e:  # any unsupported shape or torch: the exact chunked path instead
+        _flex_state["failed"] = True
+        logger.warning(
+            f"QK-Clip: the FlexAttention max-logit path failed ({e!r}); every attention call "
+            f"uses the chunked path from now on (set {FLEX_ENV}=0 to choose it from the start)"
+        )
+        return None
+
 
 def _products(q: Tensor, k_t: Tensor) -> Tensor:
     """``q @ k_t`` (3-D batches) in fp32: bf16/fp16 inputs on CUDA keep their matmul rate and
@@ -183,6 +313,11 @@ def max_logit_per_head(
     rep = hq // hk
     scale = d**-0.5 if scale is None else float(scale)
     visible = visible or Visibility()
+    if _flex_available(q):
+        with torch.no_grad():
+            best = _flex_max(q, k, scale, visible)
+        if best is not None:
+            return best
     # logits and mask of one chunk: B * Hq * C * Lk * (4 + 1) bytes
     per_query = max(b * hq * lk * 5, 1)
     step = max(1, min(lq, chunk_bytes // per_query))

@@ -59,7 +59,9 @@ def _block_mask_visibility(fqn: str, block_mask: Any) -> Visibility:
             f"{WAY_OUT}, or use attn_type = 'sdpa'"
         )
     batch, heads = block_mask.kv_num_blocks.shape[:2]
-    return Visibility(mask_mod=block_mask.mask_mod, mask_shape=(batch, heads))
+    return Visibility(
+        mask_mod=block_mask.mask_mod, mask_shape=(batch, heads), block_mask=block_mask
+    )
 
 
 INNER_ATTENTIONS = (

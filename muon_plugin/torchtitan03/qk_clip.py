@@ -115,7 +115,7 @@ def _visibility(fqn: str, inner: nn.Module, q: Any, kwargs: dict) -> Visibility:
             f"mask, not a BlockMask: {WAY_OUT}"
         )
     batch, heads = masks.kv_num_blocks.shape[:2]
-    return Visibility(mask_mod=masks.mask_mod, mask_shape=(batch, heads))
+    return Visibility(mask_mod=masks.mask_mod, mask_shape=(batch, heads), block_mask=masks)
 
 
 def check_inner(fqn: str, inner: nn.Module) -> None:

@@ -38,7 +38,7 @@ def _visibility(mask: Any, is_causal: bool) -> Visibility:
 
     if isinstance(mask, BlockMask):
         batch, heads = mask.kv_num_blocks.shape[:2]
-        return Visibility(mask_mod=mask.mask_mod, mask_shape=(batch, heads))
+        return Visibility(mask_mod=mask.mask_mod, mask_shape=(batch, heads), block_mask=mask)
     if isinstance(mask, torch.Tensor):
         return Visibility(dense=mask)
     return Visibility(causal=bool(is_causal))
