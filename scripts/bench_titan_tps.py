@@ -21,7 +21,8 @@ train.sh builds under ``$DATA_DIR``, default data/): no hub access, e.g. for
 configs/llama3_8b_muon.toml on a machine without network. ``--nproc`` sets train.sh's NPROC
 (default: one per GPU, 2 on CPU); ``$PYTHON`` is passed through to train.sh. With
 ``--results`` the table goes into RESULTS.md between ``<!-- bench_titan_tps:start -->`` and
-``<!-- bench_titan_tps:end -->``. CPU smoke test:
+``<!-- bench_titan_tps:end -->`` (``bench_titan_tps_qk_clip`` when a ``+qk_clip`` entry ran).
+CPU smoke test:
 
     python scripts/bench_titan_tps.py configs/llama3_debug_muon.toml --nproc 2 --steps 4 --skip 1
 """
@@ -219,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": verdict}, indent=1))
     if args.results:
+        qk = any(r["optimizer"].endswith(QK_CLIP_VARIANT) for r in rows)
+        title = "Muon with and without QK-Clip" if qk else "AdamW vs Muon"
         section = "\n".join(
             [
-                "## torchtitan throughput, AdamW vs Muon (scripts/bench_titan_tps.py)",
+                f"## torchtitan throughput, {title} (scripts/bench_titan_tps.py)",
                 "",
                 meta + ".",
                 "",
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 verdict,
             ]
         )
-        write_section(args.results, "bench_titan_tps", section)
+        # the QK-Clip comparison has its own section: the AdamW vs Muon one stays
+        write_section(args.results, "bench_titan_tps_qk_clip" if qk else "bench_titan_tps", section)
         print(f"wrote {args.results}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
