@@ -61,26 +61,23 @@ def finish(proc: subprocess.CompletedProcess) -> str:
     return out
 
 
-def run_main_command(args: list[str], tmp: Path, data: Path, timeout: int = 400) -> str:
+def run_main_command(
+    args: list[str], tmp: Path, data: Path, timeout: int = 400, config: Path = CONFIG
+) -> str:
     """The README's main command, ``bash scripts/train.sh CONFIG ...``, on 2 CPU processes."""
     env = titan_env(tmp)
     env.update(NPROC="2", DATA_DIR=str(data), LOG_RANK="0")
     env.pop("PYTHON", None)
-    cmd = ["bash", "scripts/train.sh", str(CONFIG), "--metrics.disable_color_printing", *args]
+    cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
     return finish(
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     )
 
 
 def run_titan(
-    args: list[str],
-    tmp: Path,
-    nproc: int = 2,
-    timeout: int = 300,
-    log_rank: int = 0,
-    config: Path = CONFIG,
+    args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int = 0
 ) -> str:
-    """torchrun -m torchtitan.train with ``config``; returns ``log_rank``'s output."""
+    """torchrun -m torchtitan.train with the debug config; returns ``log_rank``'s output."""
     env = titan_env(tmp)
     cmd = [
         sys.executable,
@@ -98,7 +95,7 @@ def run_titan(
         "-m",
         "torchtitan.train",
         "--job.config_file",
-        str(config),
+        str(CONFIG),
         "--metrics.disable_color_printing",
         *args,
     ]
@@ -339,8 +336,8 @@ def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
     are clipped (no-rope q and k rows, rope queries), and stay near tau at the next step."""
     steps = 3
     config = ROOT / "configs" / "deepseek_v3_debug_muon.toml"
-    log = run_titan(
-        [*local_run_args(assets, tmp_path / "ds", steps), *QK_CLIP], tmp_path, config=config
+    log = run_main_command(  # the README's command for it
+        [*local_run_args(assets, tmp_path / "ds", steps), *QK_CLIP], tmp_path, assets, config=config
     )
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]

@@ -181,3 +181,22 @@ def test_options_from_the_config_and_its_toml_table(tmp_path) -> None:
     toml.write_text("[optimizer.muon]\nqk_clip_tau = -3.0\n")
     with pytest.raises(ValueError, match=r"optimizer\.muon\.qk_clip_tau: invalid value -3\.0"):
         MuonOptimizersContainer.Config(muon_toml=str(toml)).build(model_parts=[model])
+
+
+def test_the_readmes_python_line_clips() -> None:
+    """The README's torchtitan 0.3 line, as written, builds a container that clips."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from muon_plugin.torchtitan03.container import MuonOptimizersContainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from qk_clip_readme import section
+
+    (line,) = re.findall(r"`optimizer=(MuonOptimizersContainer\.Config\(.*?\))`", section())
+    config = eval(
+        line, {"MuonOptimizersContainer": MuonOptimizersContainer, "MuonConfig": MuonConfig}
+    )
+    container = config.build(model_parts=[build("llama3")])
+    assert container.job.qk_clip is not None and container.job.qk_clip.tau == 100.0

@@ -131,3 +131,19 @@ def test_section_keys_are_validated_and_reach_the_clip() -> None:
         parse_optimizer_section({"qk_clip_tau": -1})
     with pytest.raises(TorchtuneConfigError, match=r"optimizer\.qk_clip_alpha: invalid value 2"):
         parse_optimizer_section({"qk_clip_alpha": 2})
+
+
+def test_the_readmes_yaml_section_builds_with_qk_clip() -> None:
+    """The README's QK-Clip ``optimizer:`` block: valid, its options as it says."""
+    import sys
+
+    from muon_plugin.torchtune.options import parse_optimizer_section
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from qk_clip_readme import blocks
+
+    (yaml,) = blocks("yaml")
+    section = dict(OmegaConf.create(yaml).optimizer)
+    assert section.pop("_component_") == "muon_plugin.torchtune.muon"
+    muon = parse_optimizer_section(section).muon
+    assert (muon.qk_clip_tau, muon.qk_clip_gqa) == (100.0, "query")
