@@ -196,6 +196,11 @@ def test_unknown_attention_and_context_parallel_are_refused() -> None:
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(QKClipRefused, match="no attention module"):
         build_qk_clip([plain], MuonConfig(qk_clip_tau=10.0), describe_attention, None)
+    # a pipeline stage without attention layers (its data-parallel peers hold the same stage)
+    stage = build_qk_clip(
+        [plain], MuonConfig(qk_clip_tau=10.0), describe_attention, None, pipeline=True
+    )
+    assert stage is None
     assert build_qk_clip([plain], MuonConfig(), describe_attention, None) is None
 
 

@@ -67,12 +67,15 @@ def build_qk_clip(
     describe: Describer,
     group: dist.ProcessGroup | None,
     option: str = "optimizer.muon.qk_clip_tau",
+    pipeline: bool = False,
 ) -> QKClip | None:
     """The job's QK-Clip over every attention module ``describe`` finds in ``parts``; None
     when ``cfg.qk_clip_tau`` is unset. ``group``: the data- and context-parallel ranks.
 
     Raises :class:`QKClipRefused` for a module the describer refuses, or when no attention
-    module is found (``option`` names the setting in the message).
+    module is found (``option`` names the setting in the message), except with ``pipeline``
+    (this rank's stages may hold no attention layer: then None, and one log line; the ranks
+    of its data-parallel group hold the same stages, so none of them reduces either).
     """
     if cfg.qk_clip_tau is None:
         return None
@@ -82,6 +85,9 @@ def build_qk_clip(
             site = describe(strip_fqn(name), module)
             if site is not None:
                 sites.append(site)
+    if not sites and pipeline:
+        logger.info("QK-Clip: this rank's pipeline stages hold no attention layer")
+        return None
     if not sites:
         raise QKClipRefused(
             f"{option} is set, but no attention module QK-Clip can serve was found in the "

@@ -62,7 +62,10 @@ def should_record() -> bool:
 
 
 def is_real(t: Tensor) -> bool:
-    """Whether ``t`` holds data (not a meta or fake tensor of a tracing / estimating pass)."""
+    """Whether ``t`` holds data (not a meta or fake tensor of a tracing / estimating pass;
+    under ``torch.compile`` tracing, every tensor stands for data)."""
+    if torch.compiler.is_compiling():
+        return True
     from torch._subclasses.fake_tensor import FakeTensor
 
     return t.device.type != "meta" and not isinstance(t, FakeTensor)
@@ -209,8 +212,11 @@ _flex_state: dict[str, Any] = {}
 
 def _flex_available(q: Tensor) -> bool:
     """Whether the FlexAttention path serves ``q``: CUDA, a torch whose FlexAttention returns
-    max scores, not switched off, and not failed before."""
+    max scores, not switched off, not failed before, and not inside ``torch.compile`` tracing
+    (which takes the chunked path)."""
     if not q.is_cuda or os.environ.get(FLEX_ENV, "1") == "0" or _flex_state.get("failed"):
+        return False
+    if torch.compiler.is_compiling():
         return False
     try:
         from torch.nn.attention.flex_attention import AuxRequest

@@ -104,7 +104,10 @@ def build_muon_optimizers(
     container = MuonOptimizersContainer(model_parts, cfg, base_hyperparams(optimizer_config))
     if cfg.qk_clip_tau is not None:
         group = qk_clip_group(parallel_dims)
-        container.job.qk_clip = build_qk_clip(model_parts, cfg, describe_attention, group)
+        pipeline = bool(getattr(parallel_dims, "pp_enabled", False))
+        container.job.qk_clip = build_qk_clip(
+            model_parts, cfg, describe_attention, group, pipeline=pipeline
+        )
     container.job.log_build(container.register_step_post_hook, logger)
     attach_qk_clip(container.job.qk_clip, container.register_step_post_hook, logger)
     return container

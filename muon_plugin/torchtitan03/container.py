@@ -119,7 +119,10 @@ class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
         self._post_init(job.params)
         keep_job_settings_on_load(job, lr_from="checkpoint", log=logger, lr_hint=LR_HINT)
         if job.config.qk_clip_tau is not None:
-            group = qk_clip_group(remembered_parallel_dims())
-            job.qk_clip = build_qk_clip(model_parts, job.config, describe_attention, group)
+            dims = remembered_parallel_dims()
+            pipeline = bool(getattr(dims, "pp_enabled", False))
+            job.qk_clip = build_qk_clip(
+                model_parts, job.config, describe_attention, qk_clip_group(dims), pipeline=pipeline
+            )
         job.log_build(self.register_step_post_hook, logger)
         attach_qk_clip(job.qk_clip, self.register_step_post_hook, logger)

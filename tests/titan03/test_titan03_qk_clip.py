@@ -176,6 +176,9 @@ def test_options_from_the_config_and_its_toml_table(tmp_path) -> None:
     clip = container.job.qk_clip
     assert clip is not None and clip.tau == 50.0 and clip.rule.gqa_rule == "group"
     assert "qk-clip tau 50 alpha 0.5 gqa group" in container.job.format_build_summary()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    container.state_dict()  # torchtitan 0.3's init step (zero grads, lr 0): the clip is a no-op
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match=r"optimizer\.muon\.qk_clip_alpha: invalid value 2"):
         MuonOptimizersContainer.Config(muon=MuonConfig(qk_clip_alpha=2))
     toml.write_text("[optimizer.muon]\nqk_clip_tau = -3.0\n")
