@@ -31,6 +31,17 @@ STATE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 LP_STATE_DTYPES: tuple[str, ...] = STATE_DTYPES[1:]
 """The low-precision momentum formats of MuonLP."""
 
+NORMALIZATIONS: tuple[str, ...] = ("none", "normuon")
+"""What happens to a Muon group's orthogonalized update before it is applied: ``"none"``
+(Muon) or ``"normuon"`` (NorMuon, arXiv:2510.05491: each row divided by the root of its running
+mean square, then the whole matrix rescaled)."""
+
+NORMUON_RESCALES: tuple[str, ...] = ("frobenius", "rms")
+"""NorMuon's rescale of a normalized matrix (each row block of a fused weight on its own):
+``"frobenius"`` keeps the Frobenius norm of Muon's update (the NorMuon authors' code), ``"rms"``
+gives the norm an exactly orthogonal update would have under ``lr_adjust`` (the paper's rule:
+with ``"match_rms_adamw"``, an update RMS of 0.2)."""
+
 IMPLEMENTATIONS: tuple[str, ...] = ("foreach", "per_param")
 """``"foreach"``: MuonForeach (batched); ``"per_param"``: Muon (matrix by matrix)."""
 
@@ -59,6 +70,10 @@ DEFAULTS: dict[str, Any] = {
     "ns_coefficients": None,
     "ns_eps": NS_EPS,
     "backend": "auto",
+    "normalization": "none",
+    "normuon_beta2": 0.95,
+    "normuon_eps": 1e-8,
+    "normuon_rescale": "frobenius",
     "algorithm": "muon",
 }
 """The optimizer's constructor defaults, which every param-group key falls back to."""

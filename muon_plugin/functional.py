@@ -6,7 +6,8 @@ Three stages, each over lists:
 2. :func:`orthogonalize`: hand the directions to a plan (:class:`Orthogonalizer`, built by
    :func:`muon_plugin.distributed.plan.plan_orthogonalization`), which assembles whole matrices
    from shards, orthogonalizes them and returns the local shards of the updates;
-3. :func:`decay_and_update_`: decoupled (cautious) weight decay, then ``p -= lr * u``.
+3. :func:`decay_and_update_`: decoupled (cautious) weight decay, then ``p -= lr * u`` (for a
+   NorMuon parameter, ``u`` is the orthogonalized update times its rows' factors).
 
 :func:`muon` runs the three for the Muon parameters of a step, group by group (one
 :class:`GroupSettings` per group), all matrices through one plan. With ``foreach`` each group's
@@ -39,10 +40,15 @@ from muon_plugin.kernels.elementwise import (
     grouped_momentum,
     kernel_groups,
 )
+from muon_plugin.orthogonalize.normuon import scale_rows
 
 
 class Orthogonalizer(Protocol):
-    """What stage 2 needs of a plan: local directions in, local updates out (same order)."""
+    """What stage 2 needs of a plan: local directions in, local updates out (same order).
+
+    A plan whose specs normalize rows (NorMuon) also takes ``rows=``, the parameters' local
+    per-row states, and ``factors=``, a list it fills with their rows' factors (see
+    :meth:`muon_plugin.distributed.plan.OrthogonalizationPlan.run`)."""
 
     def run(self, directions: Sequence[Tensor]) -> list[Tensor]: ...
 
@@ -121,13 +127,22 @@ def momentum_update_(
     return out  # type: ignore[return-value]
 
 
-def orthogonalize(directions: Sequence[Tensor], plan: Orthogonalizer) -> list[Tensor]:
+def orthogonalize(
+    directions: Sequence[Tensor],
+    plan: Orthogonalizer,
+    rows: Sequence[Tensor | None] | None = None,
+    factors: list[Tensor | None] | None = None,
+) -> list[Tensor]:
     """Stage 2: the local shards of the orthogonalized, lr-shape-scaled updates.
 
-    The plan owns the matrices' assembly from shards, their orthogonalization and the lr shape
-    factor; ``directions`` must be in the order the plan was built for.
+    The plan owns the matrices' assembly from shards, their orthogonalization, the lr shape
+    factor and, for specs that ask for it, NorMuon's row normalization with the per-row states
+    ``rows`` (updated in place), whose rows' factors it puts into ``factors``;
+    ``directions`` must be in the order the plan was built for.
     """
-    return plan.run(directions)
+    if rows is None:
+        return plan.run(directions)
+    return plan.run(directions, rows=rows, factors=factors)  # type: ignore[call-arg]
 
 
 def decay_and_update_(
@@ -137,23 +152,35 @@ def decay_and_update_(
     weight_decay: float,
     cautious: bool,
     kernels: bool | None = None,
+    factors: Sequence[Tensor] | None = None,
 ) -> None:
     """Stage 3: decay ``p`` by ``lr*wd`` (only where update and ``p`` agree in sign if
     cautious), then ``p -= lr * u``.
 
     Weight decay is decoupled and uses the group ``lr``; any shape-dependent learning-rate
-    factor is already folded into ``updates``. Every op rounds to the parameter dtype, on both
-    paths.
+    factor is already folded into ``updates``. With ``factors`` (NorMuon: per parameter, its
+    local rows' factors, fp32), ``u`` is ``update * factor`` row by row, in fp32. Every op
+    rounds to the parameter dtype, on both paths.
     """
+    if factors is not None and len(factors) != len(params):
+        raise ValueError(f"{len(factors)} row factors for {len(params)} parameters")
     groups, rest = kernel_groups(params, updates, enabled=kernels)
     for idx in groups:
         grouped_decay_update(
-            [params[i] for i in idx], [updates[i] for i in idx], lr, weight_decay, cautious
+            [params[i] for i in idx],
+            [updates[i] for i in idx],
+            lr,
+            weight_decay,
+            cautious,
+            None if factors is None else [factors[i] for i in idx],
         )
     if not rest:
         return
     ps = [params[i] for i in rest]
-    us = [updates[i] for i in rest]
+    if factors is None:
+        us = [updates[i] for i in rest]
+    else:
+        us = [scale_rows(updates[i], factors[i]) for i in rest]
     if weight_decay != 0.0 and lr != 0.0:
         if cautious:
             agree = torch._foreach_mul(us, ps)
@@ -213,6 +240,7 @@ def muon(
     foreach: bool = True,
     skip_nonfinite: bool = False,
     storage: MomentumStorage = BUFFERS,
+    second_moments: Sequence[Tensor | None] | None = None,
 ) -> list[int]:
     """One Muon step for lists of local tensors; returns the positions of skipped updates.
 
@@ -220,7 +248,9 @@ def muon(
     ``groups`` count them; ``plan`` was built for ``params`` in this order. With
     ``skip_nonfinite``, a parameter whose update is non-finite keeps its weights and momentum
     where the update is non-finite (whole matrices or row blocks, see
-    :func:`nonfinite_updates`).
+    :func:`nonfinite_updates`). ``second_moments``: per parameter, its local NorMuon per-row
+    state (fp32) when its group normalizes rows, else None (all None: omit it); with
+    ``skip_nonfinite`` a state left non-finite by a skipped update is restored too.
 
     A plan with several ``phases`` (sets of parameter positions whose matrices need no
     communication) is run phase by phase, each through all three stages, so that only one
@@ -233,7 +263,7 @@ def muon(
     for k, phase in enumerate(phases):
         members = set(phase)
         sub = [(g, [i for i in idx if i in members]) for g, idx in chunks]
-        step = _Step(params, grads, momentum_buffers, storage, skip_nonfinite)
+        step = _Step(params, grads, momentum_buffers, storage, skip_nonfinite, second_moments)
         skipped += step.run([(g, ix) for g, ix in sub if ix], plan, k if len(phases) > 1 else None)
     return sorted(skipped)
 
@@ -247,6 +277,7 @@ class _Step:
     momentum_buffers: Sequence[Any]
     storage: MomentumStorage
     skip_nonfinite: bool
+    rows: Sequence[Tensor | None] | None = None
 
     def run(
         self, chunks: list[tuple[GroupSettings, list[int]]], plan: Orthogonalizer, phase: int | None
@@ -255,6 +286,12 @@ class _Step:
         params, bufs, storage = self.params, self.momentum_buffers, self.storage
         order = [i for _, idx in chunks for i in idx]
         saved = {i: storage.snapshot(bufs[i]) for i in order} if self.skip_nonfinite else {}
+        rows = self.rows
+        saved_rows = (
+            {i: rows[i].clone() for i in order if rows[i] is not None}  # type: ignore[union-attr]
+            if self.skip_nonfinite and rows is not None
+            else {}
+        )
         directions: list[Tensor | None] = [None] * len(params)
         for group, idx in chunks:
             out = storage.update_(
@@ -266,10 +303,13 @@ class _Step:
             )
             for i, d in zip(idx, out, strict=True):
                 directions[i] = d
+        factors: list[Tensor | None] = [None] * len(params)
         if phase is None:
-            updates = orthogonalize(directions, plan)  # type: ignore[arg-type]
-        else:
+            updates = orthogonalize(directions, plan, rows, factors)  # type: ignore[arg-type]
+        elif rows is None:
             updates = plan.run(directions, phase)  # type: ignore[call-arg]
+        else:
+            updates = plan.run(directions, phase, rows=rows, factors=factors)  # type: ignore[call-arg]
         del directions
         bad = nonfinite_updates([updates[i] for i in order]) if self.skip_nonfinite else {}
         skipped = {order[j]: finite for j, finite in bad.items()}
@@ -277,7 +317,13 @@ class _Step:
         for i, finite in skipped.items():
             storage.restore_(bufs[i], saved[i], finite)
             before[i] = params[i].clone()
+        for i, state in saved_rows.items():
+            # Non-finite rows come from a skipped matrix (also on a rank whose shard of it is
+            # empty, which sees no update to skip).
+            row = rows[i]  # type: ignore[index]
+            row.copy_(torch.where(torch.isfinite(row), row, state))
         for group, idx in chunks:
+            row_factors = [factors[i] for i in idx]
             decay_and_update_(
                 [params[i] for i in idx],
                 [updates[i] for i in idx],
@@ -285,6 +331,7 @@ class _Step:
                 group.weight_decay,
                 group.cautious,
                 group.kernels,
+                None if row_factors[0] is None else row_factors,  # type: ignore[arg-type]
             )
         for i, finite in skipped.items():
             params[i].copy_(torch.where(finite, params[i], before[i]))

@@ -14,7 +14,8 @@ from typing import Any
 from torch import Tensor
 
 from muon_plugin.functional import GroupSettings
-from muon_plugin.orthogonalize import MatrixSpec, elementwise_kernels_allowed
+from muon_plugin.orthogonalize import MatrixSpec, elementwise_kernels_allowed, with_overrides
+from muon_plugin.orthogonalize.spec import RowNormalization
 
 AGREED_GROUP_KEYS = ("momentum", "nesterov", "wd", "use_cautious_wd")
 """Group settings of the elementwise math, besides the spec, that every rank of a mesh must
@@ -31,8 +32,10 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
 
 
-def group_spec(group: Mapping[str, Any]) -> MatrixSpec:
-    """The orthogonalization spec of a Muon group."""
+def group_spec(group: Mapping[str, Any], overrides: frozenset[str] = frozenset()) -> MatrixSpec:
+    """The orthogonalization spec of a Muon group; ``overrides``: the features the environment
+    switched off when the optimizer was built (``environment_overrides``), folded into the
+    backend's name."""
     split = group["split_sizes"]
     coefficients = group["ns_coefficients"]
     return _spec(
@@ -44,7 +47,19 @@ def group_spec(group: Mapping[str, Any]) -> MatrixSpec:
         compile=group["compile"],
         coefficients=None if coefficients is None else tuple(float(c) for c in coefficients),
         eps=float(group["ns_eps"]),
-        backend=group["backend"],
+        backend=effective_backend(group["backend"], overrides),
+        normalization=row_normalization(group),
+    )
+
+
+def row_normalization(group: Mapping[str, Any]) -> RowNormalization | None:
+    """The row normalization of a Muon group (NorMuon), or None (plain Muon)."""
+    if group["normalization"] == "none":
+        return None
+    return RowNormalization(
+        beta2=float(group["normuon_beta2"]),
+        eps=float(group["normuon_eps"]),
+        rescale=group["normuon_rescale"],
     )
 
 
@@ -54,8 +69,17 @@ def _spec(**settings: Any) -> MatrixSpec:
     return MatrixSpec(**settings)
 
 
-def group_settings(group: Mapping[str, Any], size: int) -> GroupSettings:
-    """The elementwise settings of a Muon group, for ``size`` of its parameters."""
+@functools.lru_cache(maxsize=256)
+def effective_backend(name: str, overrides: frozenset[str]) -> str:
+    """The backend a group runs on: its own, less the features the overrides switch off."""
+    return with_overrides(name, overrides) if overrides else name
+
+
+def group_settings(
+    group: Mapping[str, Any], size: int, overrides: frozenset[str] = frozenset()
+) -> GroupSettings:
+    """The elementwise settings of a Muon group, for ``size`` of its parameters
+    (``overrides`` as in :func:`group_spec`)."""
     return GroupSettings(
         size=size,
         lr=scalar(group["lr"]),
@@ -63,7 +87,7 @@ def group_settings(group: Mapping[str, Any], size: int) -> GroupSettings:
         momentum=group["momentum"],
         nesterov=group["nesterov"],
         cautious=group["use_cautious_wd"],
-        kernels=elementwise_kernels_allowed(group["backend"]),
+        kernels=elementwise_kernels_allowed(effective_backend(group["backend"], overrides)),
     )
 
 

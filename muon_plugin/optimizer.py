@@ -19,6 +19,7 @@ into one batched orthogonalization. Parameters may be plain tensors or DTensors 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,15 +31,17 @@ from muon_plugin import functional
 from muon_plugin.adam import adam_step
 from muon_plugin.copies import CopyableOptimizer
 from muon_plugin.defaults import DEFAULTS, SKIP_NONFINITE
-from muon_plugin.distributed.plan import OrthogonalizationPlan, plan_orthogonalization
+from muon_plugin.distributed.plan import OrthogonalizationPlan, PreparedPlan, prepare_plan
 from muon_plugin.functional import BUFFERS, MomentumStorage, momentum_dtype
 from muon_plugin.group_settings import (
     agreed_settings,
     group_settings,
     group_spec,
 )
-from muon_plugin.orthogonalize import MatrixSpec
-from muon_plugin.parameters import local, names_by_id
+from muon_plugin.kernels.tuning_cache import read_tuning_settings
+from muon_plugin.orthogonalize import MatrixSpec, environment_overrides
+from muon_plugin.parameters import describe, local, names_by_id
+from muon_plugin.row_state import ROW_STATE_KEY, check_row_state, restore_row_state, zero_row_state
 from muon_plugin.state_dict import (
     check_group_sizes,
     fill_missing_settings,
@@ -47,11 +50,13 @@ from muon_plugin.state_dict import (
     place_fused_adam_steps,
     positions,
     restore_momentum,
+    warn_missing_state,
 )
 from muon_plugin.validation import (
     NUMBER_KEYS,
     check_grad_layouts,
     check_group_keys,
+    check_unique_params,
     normalize_group,
     resolve_synonyms,
     validate_group,
@@ -90,6 +95,17 @@ class Muon(CopyableOptimizer):
             picklable: a pickled optimizer comes back without it (every rank then
             orthogonalizes its replicated matrices itself: the same updates, more work;
             set the attribute again to split the work); ``copy.deepcopy`` keeps it.
+        normalization: ``"none"`` (Muon) or ``"normuon"``: NorMuon (arXiv:2510.05491), each row
+            of the orthogonalized update divided by the root of its running mean square, then
+            the matrix rescaled (each row block of ``split_sizes`` on its own), on the rank
+            that orthogonalized it. Extra state: one fp32 entry per row
+            (``"normuon_second_moment"``), laid out like the parameter's rows.
+        normuon_beta2: the per-row second moment's EMA coefficient (default 0.95).
+        normuon_eps: added to the root of the second moment (default 1e-8).
+        normuon_rescale: ``"frobenius"`` (default) keeps the Frobenius norm of Muon's update
+            (the NorMuon authors' code); ``"rms"`` gives the norm of an exactly orthogonal
+            update under ``lr_adjust`` (the paper's rule; an update RMS of 0.2 with
+            ``"match_rms_adamw"``).
         skip_nonfinite: skip the update of every Muon matrix whose orthogonalized direction
             is non-finite (a NaN/Inf gradient or momentum): its weights and momentum stay as
             they were. ``skipped_updates`` counts, on this rank, the Muon parameters with a
@@ -107,7 +123,16 @@ class Muon(CopyableOptimizer):
     batched = False
     """Run stages 1 and 3 on whole groups and stack same-shape orthogonalizations."""
 
-    config_attributes: tuple[str, ...] = ("replicate_group", "skip_nonfinite", "skipped_updates")
+    config_attributes: tuple[str, ...] = (
+        "replicate_group",
+        "skip_nonfinite",
+        "skipped_updates",
+        "backend_overrides",
+    )
+    backend_overrides: frozenset[str] = frozenset()
+    """The features the environment switched off when this optimizer was built
+    (:func:`~muon_plugin.orthogonalize.environment_overrides`), folded into every group's
+    backend name."""
     shared_attributes: tuple[str, ...] = ("replicate_group",)
 
     momentum_state_keys: tuple[str, ...] = ("momentum_buffer",)
@@ -138,6 +163,10 @@ class Muon(CopyableOptimizer):
         ns_coefficients: tuple[float, float, float] | None = DEFAULTS["ns_coefficients"],
         ns_eps: float | None = None,
         backend: str = DEFAULTS["backend"],
+        normalization: str = DEFAULTS["normalization"],
+        normuon_beta2: float = DEFAULTS["normuon_beta2"],
+        normuon_eps: float = DEFAULTS["normuon_eps"],
+        normuon_rescale: str = DEFAULTS["normuon_rescale"],
         skip_nonfinite: bool = SKIP_NONFINITE,
         weight_decay: float | None = None,
         adjust_lr_fn: str | None = None,
@@ -174,13 +203,21 @@ class Muon(CopyableOptimizer):
             split_sizes=split_sizes,
             ns_coefficients=ns_coefficients,
             backend=backend,
+            normalization=normalization,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
+            normuon_rescale=normuon_rescale,
             **named,
         )
         self._plan: OrthogonalizationPlan | None = None
+        self._prepared: PreparedPlan | None = None
         self._plan_key: tuple | None = None
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
+        # Read once: nothing reads the environment while a step runs.
+        self.backend_overrides = environment_overrides()
+        read_tuning_settings()
         for key in NUMBER_KEYS:  # before the params are read, as torch.optim does
             validate_number(key, defaults[key])
         super().__init__(params, defaults)
@@ -192,6 +229,7 @@ class Muon(CopyableOptimizer):
     def _forget_plan(self) -> None:
         """Drop the cached plan: the next step builds it again."""
         self._plan = None
+        self._prepared = None
         self._plan_key = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -199,10 +237,13 @@ class Muon(CopyableOptimizer):
         index = len(self.param_groups)
         param_group = resolve_synonyms(param_group, f"param group {index}")
         check_group_keys(param_group, index)
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # refused below, naming the parameter
+            warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         normalize_group(group)
         try:
+            check_unique_params(group, index)
             validate_group(group)
         except ValueError:
             self.param_groups.pop()
@@ -233,15 +274,18 @@ class Muon(CopyableOptimizer):
         specs: list[MatrixSpec] = []
         settings: list[functional.GroupSettings] = []
         momenta: list[Any] = []
+        rows: list[Tensor | None] = []
         for group in groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
                 continue
             check_grad_layouts(group, ps)
+            spec = group_spec(group, self.backend_overrides)
             params += ps
-            specs += [group_spec(group)] * len(ps)
-            settings.append(group_settings(group, len(ps)))
+            specs += [spec] * len(ps)
+            settings.append(group_settings(group, len(ps), self.backend_overrides))
             momenta += self._momentum_states(group, ps)
+            rows += self._row_states(group, ps, spec)
         if not params:
             return
         skipped = functional.muon(
@@ -253,6 +297,7 @@ class Muon(CopyableOptimizer):
             foreach=self.batched,
             skip_nonfinite=self.skip_nonfinite,
             storage=self.momentum_storage,
+            second_moments=rows if any(r is not None for r in rows) else None,
         )
         self.skipped_updates += len(skipped)
 
@@ -260,6 +305,25 @@ class Muon(CopyableOptimizer):
         """The momentum of ``ps`` (Muon params with grads) as :attr:`momentum_storage` takes
         it, created (zero) if missing: here the local momentum buffers."""
         return [local(self._momentum_buffer(p)) for p in ps]
+
+    def _row_states(
+        self, group: dict[str, Any], ps: list[Tensor], spec: MatrixSpec
+    ) -> list[Tensor | None]:
+        """NorMuon's local per-row states of ``ps`` (created zero if missing), or Nones when the
+        group does not normalize rows."""
+        if spec.normalization is None:
+            return [None] * len(ps)
+        out: list[Tensor | None] = []
+        for p in ps:
+            state = self.state[p]
+            if ROW_STATE_KEY not in state:
+                state[ROW_STATE_KEY] = zero_row_state(p, spec)
+            try:
+                out.append(check_row_state(p, state[ROW_STATE_KEY], spec))
+            except ValueError as e:
+                i = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ValueError(f"the state of {describe(group, i, p)}: {e}") from None
+        return out
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
@@ -273,7 +337,12 @@ class Muon(CopyableOptimizer):
     def _orthogonalization_plan(
         self, params: list[Tensor], specs: list[MatrixSpec]
     ) -> OrthogonalizationPlan:
-        """The cached plan for this set of parameters, layouts and specs (rebuilt on change)."""
+        """The cached plan for this set of parameters, layouts and specs (rebuilt on change).
+
+        The ranks of every mesh check at every step that they give the same parameters
+        (:mod:`~muon_plugin.distributed.agreement`), before any of them rebuilds: a gradient
+        that is None on some ranks only ends on every rank in an error naming the parameter.
+        """
         key = tuple(
             (id(p), p.shape, p.placements if isinstance(p, DTensor) else None, spec)
             for p, spec in zip(params, specs, strict=True)
@@ -282,7 +351,7 @@ class Muon(CopyableOptimizer):
             # Names and settings, which the ranks of a mesh must agree on.
             names = names_by_id(self.param_groups)
             settings = {id(p): agreed_settings(g) for g in self.param_groups for p in g["params"]}
-            self._plan = plan_orthogonalization(
+            self._prepared = prepare_plan(
                 params,
                 specs,
                 batched=self.batched,
@@ -290,8 +359,11 @@ class Muon(CopyableOptimizer):
                 replicate_group=self.replicate_group,
                 settings=[settings[id(p)] for p in params],
             )
-            self._plan_key = key
-        assert self._plan is not None
+            self._plan, self._plan_key = None, key
+        assert self._prepared is not None
+        self._prepared.agreement.verify()
+        if self._plan is None:
+            self._plan = self._prepared.build()
         return self._plan
 
     # ------------------------------------------------------------------ checkpoints
@@ -309,19 +381,35 @@ class Muon(CopyableOptimizer):
         - ``torch.optim`` casts every floating state tensor to its parameter's dtype, which
           would turn the fp32 momentum of bf16 parameters into bf16 (and MuonLP's codes into
           floats). Momentum entries are held out of that cast and restored by
-          ``_restore_momentum``.
+          ``_restore_momentum``; NorMuon's per-row state likewise (fp32, laid out like its
+          parameter's rows; its shape is checked against the parameter's rows).
         """
         state_dict = match_by_name(state_dict, self.param_groups)
         check_group_sizes(state_dict["param_groups"], self.param_groups)
         where = positions(self.param_groups)
         state_dict, held = hold_out_momentum(
-            state_dict, self.param_groups, self.momentum_state_keys
+            state_dict, self.param_groups, (*self.momentum_state_keys, ROW_STATE_KEY)
         )
         super().load_state_dict(state_dict)
         fill_missing_settings(self.param_groups, self.defaults)
-        restore_momentum(held, where, self.state, self._restore_momentum)
+        restore_momentum(
+            held, where, self.state, lambda p, saved: self._restore_held(p, saved, where)
+        )
+        warn_missing_state(self.param_groups, self.state)
         place_fused_adam_steps(self.param_groups, self.state)
         self._forget_plan()
+
+    def _restore_held(
+        self, p: Tensor, saved: dict[str, Tensor], where: dict[int, tuple[Any, int]]
+    ) -> dict[str, Tensor]:
+        """Held-out entries of ``p``: its momentum (:meth:`_restore_momentum`) and its NorMuon
+        per-row state (fp32, laid out like ``p``'s rows; ``where``: the params' positions)."""
+        momentum = {k: v for k, v in saved.items() if k != ROW_STATE_KEY}
+        out = self._restore_momentum(p, momentum) if momentum else {}
+        if ROW_STATE_KEY in saved:
+            group = where[id(p)][0]
+            out[ROW_STATE_KEY] = restore_row_state(p, saved[ROW_STATE_KEY], group_spec(group))
+        return out
 
     def _restore_momentum(self, p: Tensor, saved: dict[str, Tensor]) -> dict[str, Tensor]:
         """Loaded momentum entries of ``p`` in this optimizer's dtype, on ``p``'s device."""

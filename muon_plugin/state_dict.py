@@ -14,6 +14,7 @@ The steps of :meth:`muon_plugin.optimizer.Muon.load_state_dict` around ``torch.o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -186,6 +187,27 @@ def restore_momentum(
                     f"cannot load the state of {describe(*where[id(p)], p)}: {e}"
                 ) from e
             state[p].update(restored)
+
+
+def warn_missing_state(param_groups: Groups, state: Mapping[Tensor, Mapping[str, Any]]) -> None:
+    """Warn, naming them, about parameters a loaded state dict gave no state while it gave
+    state to others: their momentum (Adam moments) restarts from zero. A state dict without
+    any state (saved before the first step) starts every parameter afresh, without a word."""
+    if not any(state.get(p) for g in param_groups for p in g["params"]):
+        return
+    missing = [
+        describe(g, i, p)
+        for g in param_groups
+        for i, p in enumerate(g["params"])
+        if p.requires_grad and not state.get(p)
+    ]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        warnings.warn(
+            f"loaded state dict has no state for {missing[0]}{more}: its "
+            "optimizer state (momentum) starts from zero",
+            stacklevel=3,
+        )
 
 
 def fill_missing_settings(param_groups: Groups, defaults: Mapping[str, Any]) -> None:

@@ -14,7 +14,13 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from muon_plugin.defaults import ALGORITHMS, DEFAULTS, LR_ADJUSTMENTS
+from muon_plugin.defaults import (
+    ALGORITHMS,
+    DEFAULTS,
+    LR_ADJUSTMENTS,
+    NORMALIZATIONS,
+    NORMUON_RESCALES,
+)
 from muon_plugin.group_settings import group_spec
 from muon_plugin.orthogonalize import validate_backend, validate_coefficients, validate_steps
 from muon_plugin.parameters import describe
@@ -35,7 +41,7 @@ Newton-Schulz epsilon in Muon groups and Adam's epsilon in Adam/AdamW groups."""
 TORCH_LR_ADJUST = {None: "keller", "original": "keller", "match_rms_adamw": "match_rms_adamw"}
 """torch.optim.Muon's ``adjust_lr_fn`` values (None is its default, "original")."""
 
-NUMBER_KEYS = ("lr", "wd", "adam_eps", "ns_eps")
+NUMBER_KEYS = ("lr", "wd", "adam_eps", "ns_eps", "normuon_eps")
 """Settings that must be a number >= 0 (or a one-element Tensor holding one)."""
 
 
@@ -94,6 +100,20 @@ def check_group_keys(group: Mapping[str, Any], index: int) -> None:
         )
 
 
+def check_unique_params(group: Mapping[str, Any], index: int) -> None:
+    """Raise ValueError naming a parameter that appears twice in param group ``index`` (torch
+    only warns, then updates it twice per step)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        first = seen.setdefault(id(p), i)
+        if first != i:
+            raise ValueError(
+                f"param group {index}: {describe(group, i, p)} appears twice (positions "
+                f"{first} and {i}); give each parameter once (it would be updated twice per "
+                "step)"
+            )
+
+
 def normalize_group(group: dict[str, Any]) -> None:
     """Store the sequence settings of ``group`` as tuples (hashable, comparable)."""
     for key in ("split_sizes", "ns_coefficients"):
@@ -143,6 +163,18 @@ def validate_muon_settings(group: Mapping[str, Any]) -> None:
     if group["lr_adjust"] not in LR_ADJUSTMENTS:
         raise ValueError(
             f"unknown lr_adjust {group['lr_adjust']!r}; expected one of {LR_ADJUSTMENTS}"
+        )
+    if group["normalization"] not in NORMALIZATIONS:
+        raise ValueError(
+            f"unknown normalization {group['normalization']!r}; expected one of {NORMALIZATIONS}"
+        )
+    beta2 = group["normuon_beta2"]
+    if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"normuon_beta2 must be a number in [0, 1), got {beta2!r}")
+    if group["normuon_rescale"] not in NORMUON_RESCALES:
+        raise ValueError(
+            f"unknown normuon_rescale {group['normuon_rescale']!r}; expected one of "
+            f"{NORMUON_RESCALES}"
         )
     split = group["split_sizes"]
     if split is not None and (not split or not all(isinstance(s, int) and s > 0 for s in split)):

@@ -12,7 +12,9 @@ world sizes 1, 2 and 4, and ``MuonForeach.step()`` is run. Per layout it reports
   ``minimum_bytes``), and the ratio;
 - for comparison, what the all-gather approach receives per rank (every rank gathers every
   whole matrix and orthogonalizes it redundantly);
-- collective calls per step, matrices per rank (min-max), and the median ``step()`` time.
+- collective calls per step, matrices per rank (min-max), and the median ``step()`` time;
+- the median time of the ranks' per-step agreement check within it (one small all-reduce per
+  rank set, read on the host: ``muon_plugin.distributed.agreement``).
 
     python scripts/bench_comm.py [--world-sizes 1,2,4] [--dim 128] [--layers 4]
         [--steps 5] [--results RESULTS.md] [--json rows.json]
@@ -272,8 +274,16 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
                     times.append(dt)
             plan = opt._plan
             stats = dict(plan.last_stats)
+            checks = []
+            for _ in range(args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt._prepared.agreement.verify()
+                checks.append(time.perf_counter() - t0)
             gathered = [None] * ws
             dist.all_gather_object(gathered, (stats, statistics.median(times)))
+            check_times: list = [None] * ws
+            dist.all_gather_object(check_times, statistics.median(checks))
             if rank == 0:
                 rows.append(
                     {
@@ -283,6 +293,7 @@ def worker(rank: int, ws: int, port: int, args, out_path: str) -> None:
                         **traffic(plan, [s for s, _ in gathered]),
                         "step_ms": statistics.median(t for _, t in gathered) * 1e3,
                         "step_ms_max_rank": max(t for _, t in gathered) * 1e3,
+                        "check_ms": statistics.median(check_times) * 1e3,
                     }
                 )
             del opt, named
@@ -334,9 +345,9 @@ def kib(n: float) -> str:
 def table(rows: list[dict]) -> str:
     header = (
         "| world | layout | matrices | per rank | sent/rank KiB (mean / max) | minimum KiB | "
-        "sent / minimum | all-gather recv/rank KiB | collectives | step ms |"
+        "sent / minimum | all-gather recv/rank KiB | collectives | step ms | rank check ms |"
     )
-    lines = [header, "|" + " --- |" * 10]
+    lines = [header, "|" + " --- |" * 11]
     for r in rows:
         per_rank = r["matrices_per_rank"]
         ratio = r["sent_mean"] / r["minimum_mean"] if r["minimum_mean"] else float("nan")
@@ -345,7 +356,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['world_size']} | {r['layout']} | {r['matrices']} | "
             f"{min(per_rank)}-{max(per_rank)} | {kib(r['sent_mean'])} / {kib(r['sent_max'])} | "
             f"{kib(r['minimum_mean'])} | {ratio_text} | {kib(r['allgather_recv_mean'])} | "
-            f"{r['collectives']} | {r['step_ms']:.1f} |"
+            f"{r['collectives']} | {r['step_ms']:.1f} | {r['check_ms']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -394,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                 "directions); *minimum* is every distinct shard sent once to its owner and each "
                 "holder's result piece once back, for the same owners; *all-gather* is what a "
                 "rank receives when every rank rebuilds every whole matrix (the redundant "
-                "approach). `python scripts/bench_comm.py --results RESULTS.md`",
+                "approach); *rank check* is the part of the step in which the ranks verify "
+                "that they give the same parameters (one all-reduce of 64 bytes per mesh). "
+                "`python scripts/bench_comm.py --results RESULTS.md`",
                 "",
                 text,
             ]

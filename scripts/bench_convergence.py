@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""Convergence benchmark: AdamW vs Muon vs MuonLP, real torchtitan runs on the local corpus.
+"""Convergence benchmark: AdamW vs Muon vs NorMuon vs MuonLP, real torchtitan runs on the local
+corpus.
 
 Every run is ``scripts/train.sh configs/llama3_convergence.toml`` (same model, data order,
 batch, sequence length, warm-up + cosine schedule and steps) with only the optimizer, its lr and
 the seed changed. The plan, in order (``--budget-s`` stops launching runs that would not fit):
 
-1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``),
+1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``; ``normuon``,
+   Muon with ``optimizer.muon.normalization = "normuon"``, when listed),
 2. ``--seeds`` more seeds of each at its best lr (lowest final validation loss),
 3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
    each seed,
-4. Muon at its best lr and each seed with shorter schedules (``--budgets``: the same warm-up,
-   the cosine decay ending at the budget): the steps Muon needs to reach AdamW's best
-   validation loss are those of the shortest schedule that reaches it (linear between budgets),
+4. Muon (and NorMuon) at its best lr and each seed with shorter schedules (``--budgets``: the
+   same warm-up, the cosine decay ending at the budget): the steps it needs to reach AdamW's
+   best validation loss are those of the shortest schedule that reaches it (linear between
+   budgets),
    the usual way to compare optimizers' step efficiency; the step where a full-length Muon run
    crosses that loss is reported beside it, but it is measured mid-schedule, at a high lr;
 5. ``--speed-repeats`` pairs of short speed runs (AdamW, then Muon, each alone on the machine,
@@ -33,6 +36,7 @@ of the seed-mean curve), and a PNG of the curves (``OUT/convergence.png``, needs
 Only ``--write-results`` touches RESULTS.md.
 
     python scripts/bench_convergence.py --out results/convergence          # the H200 plan
+    python scripts/bench_convergence.py --out results/convergence --optimizers adamw,muon,normuon
     python scripts/bench_convergence.py --smoke --out /tmp/conv           # CPU, 2 tiny runs
     python scripts/bench_convergence.py --report-only --out results/convergence --write-results
 """
@@ -67,10 +71,13 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 OPTIMIZER_ARGS = {
     "adamw": ["--optimizer.name", "AdamW"],
     "muon": ["--optimizer.name", "muon"],
+    "normuon": ["--optimizer.name", "muon", "--optimizer.muon.normalization", "normuon"],
 }
+SCHEDULED = ("muon", "normuon")
+"""The optimizers whose shorter schedules (``--budgets``) are run at their best lr."""
 LP_ARGS = {dtype: ["--optimizer.name", "muon", "--optimizer.muon.state_dtype", dtype]
            for dtype in ("int8", "int4", "fp8")}  # fmt: skip
-DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3"}
+DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3", "normuon": "2e-3,4e-3,8e-3"}
 SMOKE_ARGS = [
     "--model.flavor", "bench_tiny", "--training.local_batch_size", "2",
     "--training.seq_len", "128", "--validation.local_batch_size", "2",
@@ -83,7 +90,7 @@ SMOKE_ARGS = [
 class Run:
     """One training run of the plan."""
 
-    optimizer: str  # "adamw", "muon" or "muonlp-<dtype>"
+    optimizer: str  # "adamw", "muon", "normuon" or "muonlp-<dtype>"
     lr: float
     seed: int
     budget: int | None = None  # a shorter schedule (steps); None: the full --steps
@@ -257,12 +264,13 @@ def plan(args, records: list[dict]) -> list[Run]:
     if "muon" in best:
         muon_lr = best["muon"]
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
-        runs += [Run("muon", muon_lr, seed, budget=b) for b in args.budgets for seed in args.seeds]
         if args.qk_clip:
             runs.append(Run(qk_clip_curves.MAXLOGIT, muon_lr, 0))
             tau = qk_clip_curves.clip_tau(args.qk_clip, records)
             if tau is not None:
                 runs.append(Run(f"{qk_clip_curves.QKCLIP}{tau:g}", muon_lr, 0))
+    for opt in (o for o in SCHEDULED if o in best):
+        runs += [Run(opt, best[opt], seed, budget=b) for b in args.budgets for seed in args.seeds]
     if len(best) == len(args.optimizers):
         runs += [
             Run(opt, best[opt], 0, speed=i)
@@ -316,20 +324,21 @@ def speed_table(records: list[dict]) -> tuple[list[str], dict[str, dict]]:
 def schedule_table(
     records: list[dict], runs: list[dict], target: float
 ) -> tuple[list[str], dict | None]:
-    """Muon's shorter schedules (same seeds as ``runs``, its full-length best-lr runs): the
-    mean final validation loss per schedule length and the shortest length that reaches
-    ``target`` (linear between lengths; an upper bound when the shortest already reaches it)."""
-    lr, seeds = runs[0]["lr"], {r["seed"] for r in runs}
+    """An optimizer's shorter schedules (same optimizer, lr and seeds as ``runs``, its
+    full-length best-lr runs): the mean final validation loss per schedule length and the
+    shortest length that reaches ``target`` (linear between lengths; an upper bound when the
+    shortest already reaches it)."""
+    opt, lr, seeds = runs[0]["optimizer"], runs[0]["lr"], {r["seed"] for r in runs}
     by_len: dict[int, list[float]] = {}
     for r in records:
-        if r["optimizer"] == "muon" and r["lr"] == lr and r.get("budget") and r["seed"] in seeds:
+        if r["optimizer"] == opt and r["lr"] == lr and r.get("budget") and r["seed"] in seeds:
             by_len.setdefault(r["budget"], []).append(r["val"][-1][1])
     if not by_len:
         return [], None
     by_len[runs[0]["steps"]] = [r["val"][-1][1] for r in runs]
     curve = [[n, statistics.fmean(v)] for n, v in sorted(by_len.items())]
     steps = steps_to_reach(curve, target)
-    lines = ["", f"| Muon schedule length (lr {lr:g}) | seeds | final val loss (mean) |",
+    lines = ["", f"| {opt} schedule length (lr {lr:g}) | seeds | final val loss (mean) |",
              "|" + " --- |" * 3]  # fmt: skip
     lines += [f"| {n} | {len(by_len[n])} | {v:.4f} |" for n, v in curve]
     return lines, {"steps": steps, "upper_bound": steps == curve[0][0], "curve": curve}
@@ -397,12 +406,12 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         peers = [r for r in groups.get("muon", []) if r["seed"] in seeds]
         if opt.startswith("muonlp-") and peers:  # against fp32-state Muon on the same seeds
             head[opt]["val_gap_vs_muon"] = head[opt]["final_val"] / mean_curve(peers)[-1][1] - 1
-    if "muon" in groups and target is not None:
-        sched_lines, sched = schedule_table(ok, groups["muon"], target)
+    for opt in (o for o in SCHEDULED if o in groups and target is not None):
+        sched_lines, sched = schedule_table(ok, groups[opt], target)  # type: ignore[arg-type]
         lines += sched_lines
         if sched is not None and adam_steps:
             ratio = None if sched["steps"] is None else sched["steps"] / adam_steps
-            head["muon"]["schedule"] = {**sched, "ratio": ratio}
+            head[opt]["schedule"] = {**sched, "ratio": ratio}
     lines += speed_lines
     qk_lines, qk_head = qk_clip_curves.table(ok)
     lines += qk_lines
@@ -411,8 +420,9 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
     return "\n".join(lines), head
 
 
-COLORS = {"adamw": "tab:blue", "muon": "tab:red", "muonlp-int8": "tab:green",
-          "muonlp-int4": "tab:olive", "muonlp-fp8": "tab:purple"}  # fmt: skip
+COLORS = {"adamw": "tab:blue", "muon": "tab:red", "normuon": "tab:orange",
+          "muonlp-int8": "tab:green", "muonlp-int4": "tab:olive",
+          "muonlp-fp8": "tab:purple"}  # fmt: skip
 
 
 def smooth(values: list[float], width: int = 5) -> list[float]:
@@ -444,15 +454,18 @@ def plot(records: list[dict], path: Path) -> bool:
         tsteps = sorted(set.intersection(*(set(t) for t in train)))
         mean = [statistics.fmean(t[s] for t in train) for s in tsteps]
         ax_t.plot(tsteps, smooth(mean), lw=1, color=color, label=opt)
-    for budget in sorted({r["budget"] for r in ok if r.get("budget")}):
-        runs = [r for r in ok if r.get("budget") == budget and r["optimizer"] == "muon"]
-        steps, losses = zip(*mean_curve(runs), strict=True)
-        ax_v.plot(steps, losses, ls="--", marker=".", lw=1, color=COLORS["muon"], alpha=0.6,
-                  label=f"muon, {budget}-step schedule")  # fmt: skip
+    for opt in SCHEDULED:
+        for budget in sorted({r["budget"] for r in ok if r.get("budget")}):
+            runs = [r for r in ok if r.get("budget") == budget and r["optimizer"] == opt]
+            if not runs:
+                continue
+            steps, losses = zip(*mean_curve(runs), strict=True)
+            ax_v.plot(steps, losses, ls="--", marker=".", lw=1, color=COLORS[opt], alpha=0.6,
+                      label=f"{opt}, {budget}-step schedule")  # fmt: skip
     if "adamw" in best:
         target = min(v for _, v in mean_curve(best["adamw"]))
         ax_v.axhline(target, color=COLORS["adamw"], ls=":", lw=1, label="AdamW's best")
-    for opt in ("adamw", "muon"):
+    for opt in ("adamw", *SCHEDULED):
         sweep = sorted((r["lr"], r["val"][-1][1]) for r in full if r["optimizer"] == opt
                        and r["seed"] == 0)  # fmt: skip
         if sweep:
@@ -485,6 +498,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--optimizers", default="adamw,muon")
     p.add_argument("--lrs-adamw", default=DEFAULT_LRS["adamw"])
     p.add_argument("--lrs-muon", default=DEFAULT_LRS["muon"])
+    p.add_argument("--lrs-normuon", default=DEFAULT_LRS["normuon"])
     p.add_argument("--seeds", default="0,1", help="seeds at each optimizer's best lr")
     p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
     p.add_argument("--lp-seeds", default="0", help="seeds of the MuonLP runs")
@@ -492,14 +506,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--budgets",
         default="120,180",
-        help="shorter Muon schedules (steps), at its best lr and --seeds ('' for none)",
+        help="shorter Muon (and NorMuon) schedules (steps), at its best lr and --seeds ('' "
+        "for none)",
     )
     p.add_argument(
         "--speed-repeats",
         type=int,
         default=None,
-        help="pairs of speed runs (AdamW, Muon), each alone on the machine (default 2; 0 "
-        "with --smoke)",
+        help="rounds of speed runs (one per optimizer), each alone on the machine (default 2; "
+        "0 with --smoke)",
     )
     p.add_argument("--speed-steps", type=int, default=100, help="steps of a speed run")
     p.add_argument("--val-every", type=int, default=30)
@@ -526,7 +541,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for o in args.optimizers:
         if o not in OPTIMIZER_ARGS:
             p.error(f"--optimizers: unknown optimizer {o!r}; choose from {sorted(OPTIMIZER_ARGS)}")
-    args.lrs = {"adamw": args.lrs_adamw.split(","), "muon": args.lrs_muon.split(",")}
+    args.lrs = {
+        "adamw": args.lrs_adamw.split(","),
+        "muon": args.lrs_muon.split(","),
+        "normuon": args.lrs_normuon.split(","),
+    }
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.lp_seeds = [int(s) for s in args.lp_seeds.split(",") if s]
     args.lp = [d for d in args.lp.split(",") if d]
@@ -608,6 +627,21 @@ def verdicts(head: dict) -> list[str]:
     if muon.get("tps_ratio") is not None:
         out.append(f"Muon tokens/s = {muon['tps_ratio']:.3f} x AdamW's, from "
                    f"{muon['tps_from']} (target >= 0.97)")  # fmt: skip
+    normuon = head.get("normuon") or {}
+    sched = normuon.get("schedule")
+    if sched and sched["ratio"] is not None:
+        bound = "at most " if sched["upper_bound"] else ""
+        out.append(f"NorMuon's shortest schedule reaching AdamW's best validation loss: "
+                   f"{bound}{sched['steps']:.0f} steps, {bound}{sched['ratio']:.2f} of "
+                   "AdamW's (target <= 0.5)")  # fmt: skip
+    elif sched:
+        out.append("no shorter NorMuon schedule reached AdamW's best validation loss")
+    if normuon.get("tps_ratio") is not None:
+        vs_muon = ""
+        if muon.get("tps_ratio"):
+            vs_muon = f", {normuon['tps_ratio'] / muon['tps_ratio']:.3f} x Muon's"
+        out.append(f"NorMuon tokens/s = {normuon['tps_ratio']:.3f} x AdamW's{vs_muon}, from "
+                   f"{normuon['tps_from']}")  # fmt: skip
     for opt, row in head.items():
         if "val_gap_vs_muon" in row:
             out.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "

@@ -13,7 +13,7 @@ Rows (medians; GPU: CUDA events, CPU: wall clock):
    (one process);
 4. ``model step``: a whole training step (forward, backward, ``MuonForeach`` step) of
    torchtitan's llama3 at the benchmark flavor ``bench_8b_4l`` (Llama-3-8B layers, 4 of them,
-   ``muon_plugin.torchtitan.bench_model``; bf16 autocast, fp32 parameters), without QK-Clip
+   ``configs/llama3_bench_model.py``; bf16 autocast, fp32 parameters), without QK-Clip
    and with it (every attention call recorded, the clip after every step), and the ratio.
 
     .venv/bin/python scripts/bench_qk_clip.py                      # GPU, prints
@@ -134,7 +134,7 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
         import torchtitan.protocols.train_spec as tt_spec
         from torchtitan.config import JobConfig
 
-        import muon_plugin.torchtitan.bench_model as bench_model
+        import configs.llama3_bench_model as bench_model
     except ImportError as e:
         return [{"row": f"model step: skipped ({e})", "ms": float("nan")}]
     from muon_plugin import MuonForeach

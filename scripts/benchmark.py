@@ -14,11 +14,12 @@ runs saved earlier with ``--json``). Sections (``--sections``, default all):
    exact polar factor (fp64) on a Gaussian and on a low-rank-plus-noise input, each path
    checked against the plain bf16 loop (never farther from the polar factor).
 3. ``step``: ``optimizer.step()`` on a 4-layer Llama-3-8B slice (28 matrices, 0.87 B params) and
-   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, Muon, MuonLP int8 and
-   int4 at default settings, compiled), torch's Muon, a naive per-parameter reference Muon,
-   fused AdamW, the elementwise part of our step alone, and any importable peer at its fastest
-   documented settings (dion's Muon with gram Newton-Schulz or its Triton kernels, inside its
-   CUDA-graph wrapper; gram-newton-schulz's Muon; muonium; dtensor_muon); then the Llama slice
+   a GPT-125M (72 matrices), fp32 params and grads: ours (MuonForeach, with NorMuon's row
+   normalization too, Muon, MuonLP int8 and int4 at default settings, compiled), torch's Muon,
+   a naive per-parameter reference Muon, fused AdamW, the elementwise part of our step alone,
+   and any importable peer at its fastest documented settings (dion's Muon with gram
+   Newton-Schulz or its Triton kernels, inside its CUDA-graph wrapper; gram-newton-schulz's
+   Muon; muonium; dtensor_muon); then the Llama slice
    with bf16 params and grads (what FSDP's mixed precision with bf16 parameters hands over)
    for a few of those rows.
 4. ``memory``: optimizer-state bytes (per parameter) and the peak memory above params and grads
@@ -429,23 +430,68 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def cublas_below_m(min_m: int) -> contextlib.AbstractContextManager:
+class Patched:
+    """What a row's patch replaced, and how often the replacement was called: a row whose
+    patch is never called would time the unpatched code under the ablation's name.
+
+    A row's ``context`` yields one (checked after the row's steps) or None (nothing to check,
+    e.g. an environment switch). ``on_cpu=False``: the patched code runs only on a GPU (the
+    CPU takes the torch paths without asking it), so a CPU run does not check it.
+    """
+
+    def __init__(self, what: str, on_cpu: bool = True):
+        self.what = what
+        self.on_cpu = on_cpu
+        self.calls = 0
+
+    def counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, counting its calls."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def verify(self, cuda: bool) -> None:
+        """Raise when the replacement was never called where it should have been."""
+        if self.calls == 0 and (cuda or self.on_cpu):
+            raise RuntimeError(f"the row's patch of {self.what} was never called")
+
+
+@contextlib.contextmanager
+def row_patch(
+    target: Any, attribute: str, replacement: Callable[..., Any], on_cpu: bool = True
+) -> Iterator[Patched]:
+    """``target.attribute`` replaced by ``replacement`` (its calls counted) while the context
+    is active; yields the :class:`Patched`."""
+    patched = Patched(f"{getattr(target, '__name__', target)}.{attribute}", on_cpu)
+    with mock.patch.object(target, attribute, patched.counting(replacement)):
+        yield patched
+
+
+def cublas_below_m(min_m: int) -> contextlib.AbstractContextManager[Patched]:
     """The plans built inside leave every product with m < ``min_m`` to cuBLAS, CUDA-graphed
     or not (an ablation of the kernel's wider region inside graphs)."""
     from muon_plugin.orthogonalize import paths
 
     rule = paths.kernel_wins
-    return mock.patch.object(
-        paths, "kernel_wins", lambda m, k, batch=1, graphed=False: m >= min_m and rule(m, k, batch)
+    return row_patch(
+        paths,
+        "kernel_wins",
+        lambda m, k, batch=1, graphed=False, device=None: (
+            m >= min_m and rule(m, k, batch, device=device)
+        ),
+        on_cpu=False,  # asked only where the Triton kernel could run
     )
 
 
-def torch_matrix_scaling() -> contextlib.AbstractContextManager:
+def torch_matrix_scaling() -> contextlib.AbstractContextManager[Patched]:
     """The per-matrix scalings of the orthogonalization (pre-scaling, folded norms) as torch
     ops instead of the Triton kernel (an ablation; the same results)."""
     from muon_plugin.kernels import matrix_scale
 
-    return mock.patch.object(matrix_scale, "_use_kernel", lambda X, kernel: False)
+    return row_patch(matrix_scale, "_use_kernel", lambda X, kernel: False)
 
 
 def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, str]]:
@@ -696,6 +742,7 @@ def make_workload(
 
 BF16_ROWS = (
     "MuonForeach (polar_express)",
+    "MuonForeach (NorMuon)",
     "MuonLP (int8)",
     "torch.optim.Muon",
     "AdamW(fused=True)",
@@ -705,24 +752,14 @@ BF16_ROWS = (
 bf16 parameters hands them over)."""
 
 
-@contextlib.contextmanager
-def identity_orthogonalization() -> Iterator[list[int]]:
+def identity_orthogonalization() -> contextlib.AbstractContextManager[Patched]:
     """Replace the plan's orthogonalization by a bf16 cast: what is left is the elementwise step."""
     from muon_plugin.distributed import plan as plan_mod
 
-    cls = plan_mod.OrthogonalizationPlan
-    orig = cls.run
-    calls = [0]
-
     def run(self, directions, phase=None):
-        calls[0] += 1
         return [None if d is None else d.to(torch.bfloat16) for d in directions]
 
-    cls.run = run
-    try:
-        yield calls
-    finally:
-        cls.run = orig
+    return row_patch(plan_mod.OrthogonalizationPlan, "run", run)
 
 
 @dataclass
@@ -730,7 +767,9 @@ class Row:
     name: str
     group: str  # "ours", "torch", "reference", "peer", "elementwise"
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
-    context: Callable[[], contextlib.AbstractContextManager] | None = None
+    context: Callable[[], contextlib.AbstractContextManager[Patched | None]] | None = None
+    """Entered around the row (building the optimizer and every step); the :class:`Patched`
+    it yields, if any, is verified after the steps."""
     skip: str | None = None
     required: bool = False  # an error here makes the script exit non-zero
 
@@ -811,6 +850,7 @@ def lp_rows() -> list[Row]:
 
 
 def optimizer_rows(cfg: Config) -> list[Row]:
+    compile_skip = "--no-compile" if cfg.full else "skipped on small runs (use --compile)"
     rows = [
         Row(
             "MuonForeach (polar_express)",
@@ -824,13 +864,18 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, orthogonalization_strategy="newton_schulz"),
             required=True,
         ),
+        Row(  # NorMuon: the same step plus the per-row normalization (its speed budget: +3%)
+            "MuonForeach (NorMuon)",
+            "ours",
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, normalization="normuon"),
+            required=True,
+        ),
         Row("Muon (per-parameter)", "ours", lambda ps: Muon(ps, lr=LR, wd=WD), required=True),
         *lp_rows(),
         Row(
             "MuonForeach, no Gram space",
             "ours",
-            lambda ps: MuonForeach(ps, lr=LR, wd=WD),
-            context=lambda: env_var("MUON_PLUGIN_DISABLE_GRAM", "1"),
+            lambda ps: MuonForeach(ps, lr=LR, wd=WD, backend="auto:no-gram"),
         ),
         Row(  # the "eager" backend: what a run short of memory chooses
             "MuonForeach, no CUDA graphs",
@@ -856,7 +901,7 @@ def optimizer_rows(cfg: Config) -> list[Row]:
             "MuonForeach(compile=True)",
             "ours",
             lambda ps: MuonForeach(ps, lr=LR, wd=WD, compile=True),
-            skip=None if cfg.compile_row else "skipped on small runs (use --compile)",
+            skip=None if cfg.compile_row else compile_skip,
         ),
     ]
     if hasattr(torch.optim, "Muon"):
@@ -1010,12 +1055,14 @@ def run_row(row: Row, wl: Workload, cfg: Config, timer: Timer, timed: bool, mem:
     opt = None
     try:
         with contextlib.ExitStack() as stack:
-            calls = stack.enter_context(row.context()) if row.context else None
+            patched = stack.enter_context(row.context()) if row.context else None
+            if patched is not None and not isinstance(patched, Patched):
+                raise TypeError(f"the row's context yields {type(patched).__name__}, not Patched")
             probe = MemoryProbe(timer.cuda)
             opt = row.make(wl.params)
             _steps(out, opt, wl, cfg, timer, probe, timed, mem)
-            if calls is not None and calls[0] == 0:
-                raise RuntimeError("the identity orthogonalization patch was never called")
+            if patched is not None:
+                patched.verify(timer.cuda)
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:300]
         if row.group != "peer":

@@ -31,6 +31,12 @@ Output (default ``data/``, change with ``--out``)::
 
 The documents are shuffled with a fixed seed and the tokenizer is trained single-threaded, so
 the same inputs give byte-identical outputs; the log and the manifest give the corpus hash.
+
+Other releases (your own environment, e.g. ``PYTHON=$(which python) scripts/train.sh``) are
+never refused: the corpus is built from their sources with one warning naming the releases that
+differ from the pinned ones (that corpus, and its sha256, differ from the pinned one), and a
+``data/`` built by any releases is used as it is, with one line naming them. Only a pinned
+environment rebuilds a ``data/`` built by other releases, so that its corpus stays the pinned one.
 """
 
 from __future__ import annotations
@@ -84,18 +90,45 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def package_versions(check: bool) -> dict[str, str]:
-    """The installed release of each corpus package; with ``check``, refuse a set of releases
-    that is not one of ``CORPORA``."""
-    found = {name: release(importlib.metadata.version(name)) for name in PACKAGES}
-    if check and found not in CORPORA:
-        want = " or ".join(", ".join(f"{n}=={v}" for n, v in c.items()) for c in CORPORA)
-        have = ", ".join(f"{n} {v}" for n, v in found.items())
-        raise SystemExit(
-            f"[prepare_data] a corpus is defined by {want}; found {have}: use the project's "
-            "environments (scripts/setup_env.sh) or pass --any-version (the corpus will differ)"
-        )
-    return found
+def installed_release(name: str) -> str:
+    """The installed release of ``name`` from its package metadata (``"unknown"`` when it has
+    none, e.g. a source checkout on ``PYTHONPATH``)."""
+    try:
+        return release(importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    """The installed release of each corpus package."""
+    return {name: installed_release(name) for name in PACKAGES}
+
+
+def describe(versions: dict[str, str]) -> str:
+    """``torch 2.13.0, torchtitan 0.2.2``."""
+    return ", ".join(f"{n} {v}" for n, v in versions.items())
+
+
+def version_mismatch(versions: dict[str, str]) -> str | None:
+    """None for pinned releases (one of ``CORPORA``); else what differs from the nearest pinned
+    corpus (the one sharing the most releases, then the most major.minor series), e.g.
+    ``torch 2.11.0 (pinned: 2.13.0)``."""
+    if versions in CORPORA:
+        return None
+
+    def series(v: str | None) -> list[str]:
+        return (v or "").split(".")[:2]
+
+    nearest = max(
+        CORPORA,
+        key=lambda c: (
+            sum(versions.get(n) == v for n, v in c.items()),
+            sum(series(versions.get(n)) == series(v) for n, v in c.items()),
+        ),
+    )
+    return ", ".join(
+        f"{n} {versions.get(n)} (pinned: {v})" for n, v in nearest.items() if versions.get(n) != v
+    )
 
 
 def source_documents() -> list[tuple[str, str]]:
@@ -205,9 +238,9 @@ def _manifest_key(args: argparse.Namespace, versions: dict[str, str]) -> dict:
     }
 
 
-def _up_to_date(out: Path, key: dict) -> dict | None:
-    """The manifest when ``out`` holds every output built with ``key``, or with the same
-    options from another of ``CORPORA`` (the other environment's), else None."""
+def _built(out: Path, key: dict) -> dict | None:
+    """The manifest when ``out`` holds every output, built with the options of ``key`` (from
+    whatever package releases), else None."""
     manifest = out / "manifest.json"
     if not manifest.is_file() or not all((out / rel).is_file() for rel in OUTPUTS):
         return None
@@ -216,9 +249,19 @@ def _up_to_date(out: Path, key: dict) -> dict | None:
     except (OSError, ValueError):
         return None
     saved = data.get("key")
-    if not isinstance(saved, dict) or saved.get("packages") not in (key["packages"], *CORPORA):
+    if not isinstance(saved, dict) or not isinstance(saved.get("packages"), dict):
         return None
-    return data if {**saved, "packages": key["packages"]} == key else None
+    if {**saved, "packages": key["packages"]} != key or "corpus_sha256" not in data:
+        return None
+    return data
+
+
+def reusable(done: dict, versions: dict[str, str]) -> bool:
+    """Whether a corpus built with the same options (manifest ``done``) serves an environment
+    with ``versions``: always for unpinned releases (one line says whose corpus it is); for
+    pinned ones when it is a pinned corpus, so that their corpus stays the pinned one."""
+    built_from = done["key"]["packages"]
+    return built_from == versions or built_from in CORPORA or versions not in CORPORA
 
 
 def write_jsonl(path: Path, texts: list[str]) -> None:
@@ -257,31 +300,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--any-version",
         action="store_true",
-        help="build from whatever torch/torchtitan is installed, not only the pinned releases",
+        help="build from other torch/torchtitan releases than the pinned ones without the "
+        "warning (the corpus differs from the pinned one)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the result line")
     args = parser.parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print("[prepare_data]", *a))
 
     out = Path(args.out)
-    versions = package_versions(check=not args.any_version)
+    versions = package_versions()
     key = _manifest_key(args, versions)
-    if not args.force and (done := _up_to_date(out, key)):
-        built = ", ".join(f"{n} {v}" for n, v in done["key"]["packages"].items())
-        print(
-            f"[prepare_data] {out} is up to date: corpus sha256 {done['corpus_sha256'][:16]} "
-            f"(from {built})"
-        )
+    done = None if args.force else _built(out, key)
+    if done is not None and reusable(done, versions):
+        built_from = done["key"]["packages"]
+        line = f"[prepare_data] {out} is up to date: corpus sha256 {done['corpus_sha256'][:16]}"
+        if built_from == versions or versions in CORPORA:  # this or the other pinned corpus
+            print(f"{line} (from {describe(built_from)})")
+        else:  # an environment of the user's own, with a corpus of other releases
+            print(
+                f"{line}, built from {describe(built_from)}, used as it is (this environment: "
+                f"{describe(versions)}; --force rebuilds it)"
+            )
         return 0
+    if done is not None:
+        print(
+            f"[prepare_data] {out} was built from {describe(done['key']['packages'])}: "
+            f"rebuilding the pinned corpus of {describe(versions)}"
+        )
+    mismatch = version_mismatch(versions)
+    if mismatch and not args.any_version:
+        print(
+            f"[prepare_data] warning: {mismatch}: the corpus is built from this environment's "
+            "sources, so it and its sha256 differ from the pinned corpus",
+            file=sys.stderr,
+        )
 
     t0 = time.time()
     docs = source_documents()
     train, val = split(docs, args.max_bytes, args.seed)
     n_bytes = sum(len(t.encode()) for t in train)
     log(
-        f"collected {len(docs)} source files of "
-        + ", ".join(f"{n} {v}" for n, v in versions.items())
-        + f": {len(train)} training documents ({n_bytes / 1e6:.1f} MB), {len(val)} held out"
+        f"collected {len(docs)} source files of {describe(versions)}: {len(train)} training "
+        f"documents ({n_bytes / 1e6:.1f} MB), {len(val)} held out"
     )
 
     tok = train_tokenizer(prefix(train, args.tokenizer_bytes), args.vocab_size)

@@ -5,6 +5,9 @@
 # torch: ./.venv pins torch 2.13.0; ./.venv-titan03 pins 2.14.1 (torchtitan 0.3 is released
 # against torch 2.14: its pipeline schedules call 2.14's API); ./.venv-torchtune pins 2.13.0
 # (torchtune 0.6.1 with torchao 0.15: torchtune does not import with ./.venv's torchao 0.18).
+# ./.venv-torchtune shares ./.venv's packages when ./.venv holds the same torch: a .pth file
+# puts ./.venv's site-packages after its own, so it installs only what differs (torchtune,
+# torchao 0.15, ...: about 0.1 GB instead of a second torch).
 # On a machine without an NVIDIA GPU, the CPU build torch==<pin>+cpu from PyTorch's CPU wheel
 # index when that index answers within $MUON_PLUGIN_INDEX_TIMEOUT s (default 5); else
 # torch==<pin> from PyPI, which on Linux is the CUDA build (a one-line note gives its download
@@ -79,6 +82,7 @@ setup_venv() {
         return
     fi
     local start=$SECONDS
+    local shared="${SHARE_FROM:-}"
     if [ ! -x "$venv/bin/python" ]; then
         if ! "$base_python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
             echo "[setup_env] $base_python is not Python >= 3.11; set BASE_PYTHON" >&2
@@ -90,6 +94,12 @@ setup_venv() {
         else
             say "creating $venv ($("$base_python" --version))"
             "$base_python" -m venv "$venv"
+        fi
+        if [ -n "$shared" ]; then
+            local site
+            site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+            echo "$shared" >"$site/_muon_plugin_shared.pth"
+            say "sharing $(dirname "$(dirname "$(dirname "$shared")")")'s packages (torch included) through $site/_muon_plugin_shared.pth"
         fi
     fi
     local have
@@ -127,6 +137,10 @@ case "${1:-}" in
             "muon_plugin (editable) with torchtitan 0.3: $(extra_list torchtitan03)" \
             -e "$root[torchtitan03]" ;;
     --torchtune)
+        main_venv="${MUON_PLUGIN_VENV:-$root/.venv}"
+        SHARE_FROM="$("$main_venv/bin/python" -c "import sysconfig, torch
+if torch.__version__.split('+')[0] == '$torch_pin':
+    print(sysconfig.get_paths()['purelib'])" 2>/dev/null || true)"
         setup_venv "${MUON_PLUGIN_VENV_TORCHTUNE:-$root/.venv-torchtune}" \
             "muon_plugin (editable) with torchtune 0.6.1: $(extra_list torchtune)" \
             -e "$root[torchtune]" ;;

@@ -5,15 +5,18 @@
 # ./.venv (tests/titan03 and tests/torchtune are skipped there), tests/titan03 in
 # ./.venv-titan03, tests/torchtune in ./.venv-torchtune.
 #
-# ./.venv is set up first, in the foreground; the two others are set up in the background while
-# its tests run (their downloads overlap the tests), each logging to .test-logs/setup_<env>.log,
-# whose steps are printed when that environment's tests start.
+# ./.venv is set up first, in the foreground (./.venv-torchtune shares its packages). Then each
+# other environment is set up and its tests run in the background, while ./.venv's tests run in
+# the foreground (on 2 cores the suites overlap: most tests keep one core busy). The background
+# jobs log to .test-logs/<env>.log; each log is printed when ./.venv's tests are done, and a
+# line a minute says which background jobs are still running.
 # Extra arguments go to every pytest run, e.g. `bash scripts/test.sh -k distributed`.
 # MUON_PLUGIN_TITAN03=0 skips the torchtitan 0.3 environment, MUON_PLUGIN_TORCHTUNE=0 the
 # torchtune one.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+start=$SECONDS
 echo "[test] environment: scripts/setup_env.sh"
 bash scripts/setup_env.sh
 venv="${MUON_PLUGIN_VENV:-$root/.venv}"
@@ -27,31 +30,55 @@ extra_envs=()
 [ "${MUON_PLUGIN_TORCHTUNE:-1}" != 0 ] \
     && extra_envs+=("torchtune --torchtune ${MUON_PLUGIN_VENV_TORCHTUNE:-$root/.venv-torchtune} tests/torchtune")
 
-declare -A setup_pid=()
+# extra_job NAME FLAG VENV TESTS ARGS...: set up one extra environment and run its tests;
+# exit 3 when the set-up failed, else pytest's status (5, nothing selected, counts as 0).
+extra_job() {
+    local name="$1" flag="$2" env_dir="$3" tests="$4"
+    shift 4
+    echo "[test] $name: scripts/setup_env.sh $flag"
+    bash scripts/setup_env.sh "$flag" || { echo "[test] $name: set-up failed"; return 3; }
+    echo "[test] $name: $env_dir/bin/python -m pytest $tests $*"
+    local rc=0
+    MUON_PLUGIN_PYTHON_022="$venv/bin/python" "$env_dir/bin/python" -m pytest "$tests" "$@" \
+        || rc=$?
+    [ "$rc" = 5 ] && rc=0
+    return "$rc"
+}
+
+declare -A job_pid=()
 for entry in "${extra_envs[@]}"; do
-    read -r name flag _ _ <<<"$entry"
-    echo "[test] environment: scripts/setup_env.sh $flag, in the background (log: $logs/setup_$name.log)"
-    bash scripts/setup_env.sh "$flag" >"$logs/setup_$name.log" 2>&1 &
-    setup_pid[$name]=$!
+    read -r name flag env_dir tests <<<"$entry"
+    echo "[test] $name: set-up and tests in the background (log: $logs/$name.log)"
+    extra_job "$name" "$flag" "$env_dir" "$tests" "$@" >"$logs/$name.log" 2>&1 &
+    job_pid[$name]=$!
 done
+
+# A line a minute while background jobs run (the foreground tests print their own progress).
+(
+    while sleep 60; do
+        running=()
+        for name in "${!job_pid[@]}"; do
+            kill -0 "${job_pid[$name]}" 2>/dev/null && running+=("$name")
+        done
+        [ "${#running[@]}" = 0 ] && break
+        echo "[test] in the background, still running: ${running[*]} ($((SECONDS - start)) s)"
+    done
+) &
+ticker=$!
 
 status=0
 echo "[test] $venv/bin/python -m pytest $*"
 "$venv/bin/python" -m pytest "$@" || status=$?
 
 for entry in "${extra_envs[@]}"; do
-    read -r name flag env_dir tests <<<"$entry"
-    setup_rc=0
-    wait "${setup_pid[$name]}" || setup_rc=$?
-    grep '^\[setup_env\]' "$logs/setup_$name.log" || true
-    if [ "$setup_rc" != 0 ]; then
-        echo "[test] scripts/setup_env.sh $flag failed (exit $setup_rc); the end of its log:"
-        tail -40 "$logs/setup_$name.log"
-        status=$setup_rc
-        continue
-    fi
-    echo "[test] $name: $env_dir/bin/python -m pytest $tests $*"
-    MUON_PLUGIN_PYTHON_022="$venv/bin/python" "$env_dir/bin/python" -m pytest "$tests" "$@" \
-        || { rc=$?; [ "$rc" = 5 ] || status=$rc; }   # 5: nothing selected (e.g. by -k)
+    read -r name _ _ _ <<<"$entry"
+    rc=0
+    wait "${job_pid[$name]}" || rc=$?
+    echo "[test] ---- $name (its log, $logs/$name.log) ----"
+    cat "$logs/$name.log"
+    echo "[test] $name: exit $rc"
+    [ "$rc" != 0 ] && status=$rc
 done
+kill "$ticker" 2>/dev/null || true
+echo "[test] all done in $((SECONDS - start)) s, exit $status"
 exit "$status"

@@ -10,7 +10,10 @@
 #   (./.venv-titan03, scripts/setup_env_titan03.sh), through muon_plugin.torchtitan03.train;
 # - runs from the repository root with .venv/bin/python, set up by scripts/setup_env.sh (instant
 #   once done); PYTHON=/path/to/python uses your own environment instead, with no set-up;
-# - builds the local corpus and tokenizer (scripts/prepare_data.py -> data/) on first use;
+# - builds the local corpus and tokenizer (scripts/prepare_data.py -> DATA_DIR, default data/)
+#   when the job reads a path in it (e.g. --training.dataset_path data/corpus), a no-op once
+#   built; with your own torch or torchtitan a build from other releases than the pinned ones
+#   is a warning, and a DATA_DIR built by other releases is used as it is (one line says so);
 # - NPROC processes: $NPROC if set, else one per GPU, else 2 on a CPU-only machine;
 # - checks CONFIG and the overrides first, in one process (muon_plugin.torchtitan.check, or
 #   muon_plugin.torchtitan03.check for 0.3): a typo or a bad value is one line naming the key,
@@ -22,7 +25,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     exit 0
 fi
 
@@ -68,14 +71,20 @@ export PYTHONPATH="$ROOT${CONFIG_DIR:+:$CONFIG_DIR}${PYTHONPATH:+:$PYTHONPATH}"
 HELP=0
 for arg in "$@"; do [[ "$arg" == "--help" || "$arg" == "-h" ]] && HELP=1; done
 DUMP_FOLDER=""
+READ_PATHS=()
 if [[ "$HELP" == 0 ]]; then
-    # One line naming the key and exit 2 on a bad config; prints the job's dump folder.
+    # One line naming the key and exit 2 on a bad config; prints the job's dump folder, then
+    # the (absolute) paths the job reads, one per line.
     if [[ "$RELEASE" == 0.3 ]]; then
         CHECK=(-m muon_plugin.torchtitan03.check --module "$CONFIG_MODULE" --config "$CONFIG_FN")
     else
         CHECK=(-m muon_plugin.torchtitan.check "$CONFIG")
     fi
-    DUMP_FOLDER="$("$PYTHON" "${CHECK[@]}" "$@")" || exit 2
+    CHECKED="$("$PYTHON" "${CHECK[@]}" "$@")" || exit 2
+    DUMP_FOLDER="$(head -n 1 <<<"$CHECKED")"
+    while IFS= read -r line; do
+        [[ -n "$line" ]] && READ_PATHS+=("$line")
+    done < <(tail -n +2 <<<"$CHECKED")
 fi
 
 # The run's log: DUMP_FOLDER/logs/<date-time>/train.log gets everything printed from here on.
@@ -90,13 +99,31 @@ if [[ -n "$DUMP_FOLDER" ]]; then
 fi
 say() { echo "$*" | tee -a "$RUN_LOG"; }
 
-# Local data (idempotent: a no-op once data/ is up to date).
+# Local data, built only for a job that reads a path in DATA_DIR (a no-op once it is built).
 DATA_DIR="${DATA_DIR:-data}"
-if [[ "${SKIP_PREPARE_DATA:-0}" == 1 ]]; then
+READS_DATA=0
+if [[ ${#READ_PATHS[@]} -gt 0 ]]; then   # the check printed realpaths: compare like with like
+    DATA_REAL="$("$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.argv[1]))' "$DATA_DIR")"
+    for path in "${READ_PATHS[@]}"; do
+        [[ "$path" == "$DATA_REAL" || "$path" == "$DATA_REAL"/* ]] && READS_DATA=1
+    done
+fi
+if [[ "$HELP" == 1 ]]; then
+    :
+elif [[ "$READS_DATA" == 0 ]]; then
+    say "[train] data: the job reads nothing in $DATA_DIR, so scripts/prepare_data.py is not run"
+elif [[ "${SKIP_PREPARE_DATA:-0}" == 1 ]]; then
     say "[train] data: $DATA_DIR as it is (SKIP_PREPARE_DATA=1, e.g. built on another machine)"
 else
     say "[train] data: scripts/prepare_data.py --out $DATA_DIR"
+    set +e
     "$PYTHON" scripts/prepare_data.py --out "$DATA_DIR" --quiet 2>&1 | tee -a "$RUN_LOG"
+    PREPARED=${PIPESTATUS[0]}
+    set -e
+    if [[ "$PREPARED" != 0 ]]; then
+        say "train.sh: scripts/prepare_data.py failed (exit $PREPARED); SKIP_PREPARE_DATA=1 uses $DATA_DIR as it is"
+        exit "$PREPARED"
+    fi
 fi
 
 if [[ -z "${NPROC:-}" ]]; then

@@ -1,4 +1,5 @@
-"""Fixtures shared by the test modules that run real training jobs."""
+"""Fixtures shared by the test modules that run real training jobs; the heartbeat plugin
+(``tests/heartbeat.py``: a line a minute while a long test runs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytest_plugins = ["heartbeat"]
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ initializes a process group over TCP on a free local port with a short timeout, 
 ``fn(rank, world_size, *args)`` in each, and re-raises the first failure in the caller. A rank
 that raises makes the others terminate instead of hanging in a collective.
 
-The backend comes from ``MUON_TEST_BACKEND``: ``gloo`` (default; CPU tensors and meshes) or
-``nccl`` (rank ``r`` uses ``cuda:r``; a test needing more ranks than there are GPUs is skipped).
+The backend comes from ``MUON_TEST_BACKEND``: ``gloo`` (default; CPU tensors and meshes),
+``nccl`` (rank ``r`` uses ``cuda:r``; a test needing more ranks than there are GPUs is skipped)
+or ``gloo-cuda`` (gloo with every rank's tensors on ``cuda:0``: several ranks on one GPU, which
+NCCL refuses; c10d collectives work there, DTensor's functional ones may not).
 Tests build their meshes with ``init_device_mesh(device_type(), ...)`` and put plain tensors on
 ``device()``, so the same scenarios run on both. ``exact()`` says whether bitwise parity with a
 single process can be asserted (gloo) or only closeness (NCCL, see ``GPU_UPDATE_RTOL``).
@@ -27,7 +29,7 @@ import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 90
 BACKEND_ENV = "MUON_TEST_BACKEND"
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "gloo-cuda")
 
 # Parity tolerance on GPUs. On CPU the distributed step equals the single-process one bit for
 # bit: bf16 Newton-Schulz of identical matrices is deterministic however they are stacked, so
@@ -53,8 +55,8 @@ def backend() -> str:
 
 
 def device_type() -> str:
-    """``"cuda"`` on NCCL, ``"cpu"`` on gloo: the device type of the tests' meshes."""
-    return "cuda" if backend() == "nccl" else "cpu"
+    """``"cuda"`` on NCCL and gloo-cuda, ``"cpu"`` on gloo: the device type of the meshes."""
+    return "cpu" if backend() == "gloo" else "cuda"
 
 
 def device() -> torch.device:
@@ -80,10 +82,12 @@ def update_difference(got: torch.Tensor, ref: torch.Tensor, init: torch.Tensor) 
 
 def skip_reason(world_size: int) -> str | None:
     """Why ``world_size`` ranks cannot run with this backend here, or None if they can."""
-    if backend() != "nccl":
+    if backend() == "gloo":
         return None
     if not torch.cuda.is_available():
-        return f"{BACKEND_ENV}=nccl but CUDA is not available"
+        return f"{BACKEND_ENV}={backend()} but CUDA is not available"
+    if backend() == "gloo-cuda":
+        return None
     found = torch.cuda.device_count()
     if found < world_size:
         return f"{BACKEND_ENV}=nccl runs one rank per GPU: {world_size} ranks, {found} GPU(s)"
@@ -104,8 +108,10 @@ def _worker(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     if name == "nccl":
         torch.cuda.set_device(rank)
         extra["device_id"] = torch.device("cuda", rank)
+    elif name == "gloo-cuda":
+        torch.cuda.set_device(0)
     dist.init_process_group(
-        name,
+        "gloo" if name == "gloo-cuda" else name,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,

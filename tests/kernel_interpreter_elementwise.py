@@ -112,6 +112,31 @@ def decay_update(cases: Cases, functional) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(params, plain, strict=True))
 
 
+def decay_update_row_factors(cases: Cases, functional) -> None:
+    """NorMuon: the update times one fp32 factor per row (zero factors included)."""
+    for dtypes in [[(f32, bf16)], [(bf16, bf16)], [(f32, f32)]]:
+        for cautious in (True, False):
+            params, updates = cases.lists(dtypes)
+            factors = [torch.rand(u.shape[:-1]) + 0.5 for u in updates]
+            for f in factors:
+                f.view(-1)[::3] = 0.0
+            ref = clone(params)
+            launches.clear()
+            args = (0.1, 0.5, cautious, None, factors)
+            run(True, functional.decay_and_update_, params, updates, *args)
+            assert len(launches) == 1, launches
+            run(False, functional.decay_and_update_, ref, updates, *args)
+            for p, r, u, f in zip(params, ref, updates, factors, strict=True):
+                close(p, r, r, u.float() * f.view(*f.shape, *([1] * (u.dim() - f.dim()))))
+    # the factors matter: without them the same inputs give another step
+    params, updates = cases.lists([(f32, bf16)])
+    plain = clone(params)
+    factors = [torch.rand(u.shape[:-1]) + 0.5 for u in updates]
+    run(True, functional.decay_and_update_, params, updates, 0.1, 0.5, True, None, factors)
+    run(True, functional.decay_and_update_, plain, updates, 0.1, 0.5, True)
+    assert not all(torch.equal(a, b) for a, b in zip(params, plain, strict=True))
+
+
 def edges(cases: Cases, functional) -> None:
     """Empty lists launch nothing; a non-contiguous pair takes the foreach path."""
     launches.clear()
@@ -155,6 +180,7 @@ def main() -> None:
     torch.manual_seed(0)
     momentum(cases, functional)
     decay_update(cases, functional)
+    decay_update_row_factors(cases, functional)
     edges(cases, functional)
     tables(cases, functional, k)
     print("OK")

@@ -13,15 +13,22 @@ import math
 import torch
 from interpreter_rounding import round_casts_to_nearest_even
 
+from muon_plugin.kernels.matrix_scale import max_exponent
+
 HUGE = 2.0**32
+TINY = 2.0**-20
 
 
-def torch_prescale(X: torch.Tensor, above: float) -> None:
+def torch_prescale(X: torch.Tensor, below: float, above: float) -> None:
+    """The rule, written out: a power of two for a max-abs above ``above`` or below ``below``
+    (not zero), its exponent at most the dtype's largest finite one."""
     amax = torch.linalg.vector_norm(
         X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
     )
-    factor = torch.where(amax > above, torch.exp2(-torch.floor(torch.log2(amax))), 1.0)
-    X.mul_(factor.to(X.dtype))
+    limit = max_exponent(X.dtype)
+    exponent = (-torch.floor(torch.log2(amax))).clamp_max(limit)
+    scaled = (amax > above) | ((amax < below) & (amax > 0))
+    X.mul_(torch.where(scaled, torch.exp2(exponent), 1.0).to(X.dtype))
 
 
 def batch(shape, dtype, seed: int) -> torch.Tensor:
@@ -36,7 +43,7 @@ def check_scale(shape, dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 1)
     factors = torch.rand(shape[0], 1, 1, generator=g) * 3 + 1e-3  # fp32, rounded per dtype
     expected = X.clone().mul_(factors.to(dtype))
-    _scale_triton.scale_matrices_(X, factors, None)
+    _scale_triton.scale_matrices_(X, factors, None, max_exponent(dtype))
     assert torch.equal(X, expected), (shape, dtype)
 
 
@@ -49,10 +56,13 @@ def check_prescale(shape, dtype, seed: int) -> None:
         X[-1, 0, 0] = 7e9  # one huge entry
     if shape[0] > 2:
         X[1, 0, 0] = float("nan")  # max-abs NaN: left as it is
+        X[2] *= 2.0**-40 if dtype != torch.float16 else 2.0**-12  # tiny: scaled up
+    if shape[0] > 3:
+        X[3] = 0.0  # all zero: left as it is
     expected = X.clone()
-    torch_prescale(expected, HUGE)
+    torch_prescale(expected, TINY, HUGE)
     amax = torch.linalg.vector_norm(X, ord=math.inf, dim=(-2, -1), dtype=torch.float32)
-    _scale_triton.scale_matrices_(X, amax, HUGE)
+    _scale_triton.scale_matrices_(X, amax, (TINY, HUGE), max_exponent(dtype))
     assert torch.equal(X.nan_to_num(), expected.nan_to_num()), (shape, dtype)
     assert torch.equal(X.isnan(), expected.isnan())
 

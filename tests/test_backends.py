@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from muon_plugin import MuonForeach
 from muon_plugin.defaults import BACKENDS
 from muon_plugin.distributed.plan import plan_orthogonalization, simulate_plan
 from muon_plugin.distributed.report import format_report
@@ -16,6 +17,7 @@ from muon_plugin.kernels import triton_available, use_symmetric_kernel
 from muon_plugin.orthogonalize import (
     IterationPath,
     MatrixSpec,
+    environment_overrides,
     lr_shape_factor,
     orthogonalize_stack,
     resolve_path,
@@ -85,14 +87,21 @@ def test_register_backend_refuses_builtins_duplicates_and_non_backends():
 
 
 def test_elementwise_kernels_follow_the_backend(monkeypatch):
-    monkeypatch.delenv("MUON_PLUGIN_DISABLE_TRITON", raising=False)
     assert elementwise_kernels_allowed("auto") == triton_available()
+    assert elementwise_kernels_allowed("auto:no-gram") == triton_available()
     assert not elementwise_kernels_allowed("cublas")
     assert not elementwise_kernels_allowed("plain")
-    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
-    assert not elementwise_kernels_allowed("auto")
+    assert not elementwise_kernels_allowed("auto:no-triton")
     with pytest.raises(ValueError, match="backend"):
         elementwise_kernels_allowed("bogus")
+    # MUON_PLUGIN_DISABLE_TRITON=1 reaches a group's elementwise kernels through the
+    # optimizer, which folds it into the backend's name when it is built.
+    from muon_plugin.group_settings import group_settings
+
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
+    opt = MuonForeach([torch.nn.Parameter(torch.randn(4, 4))])
+    group = opt.param_groups[0]
+    assert not group_settings(group, 1, opt.backend_overrides).kernels
 
 
 # ---------------------------------------------------------------------- resolution
@@ -166,18 +175,27 @@ def test_eager_backend_is_a_constructor_choice():
 
 
 @needs_triton
-def test_environment_switches_are_read_at_resolution(hopper):
-    path = resolve_path((4096, 14336), 1, GPU, F32, MatrixSpec())
-    hopper.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
-    assert describe((4096, 14336), 1) == describe((4096, 14336), 1, "cublas")
-    assert path.describe() == "gram, triton(tma), eager"  # a resolved path stays as it is
-    hopper.delenv("MUON_PLUGIN_DISABLE_TRITON")
-    hopper.setenv("MUON_PLUGIN_SYRK_TMA", "0")
-    assert describe((4096, 14336), 1) == "gram, triton(ptr), eager"
-    hopper.setenv("MUON_PLUGIN_DISABLE_GRAM", "1")
-    assert describe((4096, 14336), 1) == "x, triton(ptr), eager"
-    hopper.setenv("MUON_PLUGIN_DISABLE_CUDA_GRAPHS", "1")
-    assert describe((64, 128), 3) == "x, fp16 cublas, eager"
+def test_modifiers_and_environment_switches_take_the_same_features_away(hopper):
+    """``auto:no-triton`` resolves like ``cublas``; each modifier takes its feature away; the
+    environment's switches, read by ``environment_overrides`` (an optimizer reads them when it
+    is built), name the same modifiers."""
+    assert describe((4096, 14336), 1) == "gram, triton(tma), eager"
+    assert describe((4096, 14336), 1, "auto:no-triton") == describe((4096, 14336), 1, "cublas")
+    assert describe((4096, 14336), 1, "auto:no-tma") == "gram, triton(ptr), eager"
+    assert describe((4096, 14336), 1, "auto:no-gram,no-tma") == "x, triton(ptr), eager"
+    assert describe((64, 128), 3, "auto:no-graphs") == "gram, fp16 cublas, eager"
+    assert describe((64, 128), 3) == "gram, fp16 cublas, graph"
+    switches = {
+        "MUON_PLUGIN_DISABLE_TRITON": ("1", "triton"),
+        "MUON_PLUGIN_DISABLE_GRAM": ("1", "gram"),
+        "MUON_PLUGIN_DISABLE_CUDA_GRAPHS": ("1", "graphs"),
+        "MUON_PLUGIN_SYRK_TMA": ("0", "tma"),
+    }
+    for variable, (value, feature) in switches.items():
+        hopper.setenv(variable, value)
+        assert environment_overrides() == {feature}, variable
+        hopper.delenv(variable)
+    assert environment_overrides() == frozenset()
 
 
 @needs_triton

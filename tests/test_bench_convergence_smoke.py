@@ -80,6 +80,43 @@ def test_shorter_schedules_and_speed_runs():
     assert "| speed runs (alone) |" in table and "| 15 | 1 | 3.7000 |" in table
 
 
+def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
+    """With ``--optimizers adamw,muon,normuon``: NorMuon is swept, then run with the shorter
+    schedules at its own best lr like Muon; the summary gives both schedule ratios."""
+    args = bc.parse_args(
+        ["--optimizers", "adamw,muon,normuon", "--lp", "", "--seeds", "0", "--budgets", "10",
+         "--speed-repeats", "1", "--lrs-normuon", "4e-3,8e-3"]
+    )  # fmt: skip
+    first = bc.plan(args, [])
+    assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3 + ["normuon"] * 2
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "muon-lr0.002-seed0-steps10", "normuon-lr0.004-seed0-steps10",
+        "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0", "speed-normuon-lr0.004-0",
+    ]  # fmt: skip
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]),
+        _record("normuon", 4e-3, 0, [[10, 3.7], [20, 2.9]]),
+        {**_record("muon", 4e-3, 0, [[10, 3.9]], steps=10), "budget": 10},
+        {**_record("normuon", 4e-3, 0, [[10, 3.6]], steps=10), "budget": 10},
+        {**_record("adamw", 1e-3, 0, [], tps=100.0), "speed": 0},
+        {**_record("muon", 4e-3, 0, [], tps=98.0), "speed": 0},
+        {**_record("normuon", 4e-3, 0, [], tps=96.04), "speed": 0},
+    ]
+    table, head = bc.summarize(records)
+    assert head["muon"]["schedule"]["upper_bound"] is False
+    assert head["normuon"]["schedule"]["steps"] == 10.0
+    assert (
+        head["normuon"]["schedule"]["upper_bound"] and head["normuon"]["schedule"]["ratio"] == 0.5
+    )
+    assert "| normuon schedule length (lr 0.004) |" in table
+    lines = bc.verdicts(head)
+    assert any("NorMuon's shortest schedule" in v and "at most 0.50" in v for v in lines), lines
+    assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
+
+
 def test_qk_clip_runs_follow_muons_sweep_and_auto_tau_halves_the_largest_logit():
     import qk_clip_curves as qk
 
@@ -194,3 +231,7 @@ def test_a_speed_run_is_a_valid_job_without_validation(tmp_path, monkeypatch):
     job = check(str(bc.CONFIG), job_args)
     assert job.validation.enable is False and job.training.steps == 2
     assert job.optimizer.name == "muon" and job.optimizer.lr == 4e-3
+    assert job.optimizer.muon.normalization == "none"
+    bc.train_one(bc.Run("normuon", 4e-3, 0, speed=0), args)
+    job = check(str(bc.CONFIG), seen["cmd"][seen["cmd"].index(str(bc.CONFIG)) + 1 :])
+    assert job.optimizer.name == "muon" and job.optimizer.muon.normalization == "normuon"

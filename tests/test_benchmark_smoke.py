@@ -1,116 +1,35 @@
-"""CI smoke test: ``scripts/benchmark.py --quick`` runs on the CPU and reports every section."""
+"""scripts/benchmark.py: every row of every section runs (tiny shapes, in this process), and
+the pieces around the rows (selection, budget, repeats, merging, the RESULTS.md section).
+
+``every_row`` runs the whole script once, in-process, on the GPU when there is one and else on
+the CPU, at matrix dims / 64 with one timed repeat, so that no row can break unseen. What cannot
+run here is faked or skipped, each for the reason given where it is done: on the CPU the rows
+meant for a GPU run on the torch paths; ``compile=True`` compiles with torch.compile's "eager"
+backend (inductor takes minutes on a CPU); the peer libraries' rows are left to
+``scripts/run_one_gpu.sh peers``, and one stand-in peer runs the generic peer row's code.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import json
-import os
-import subprocess
 import sys
+import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmark.py"
-CPU_SECTIONS = ("kernels", "ortho", "step", "memory")
-
-
-def git_status() -> str | None:
-    """``git status --porcelain`` of the repository, or None outside a git checkout."""
-    try:
-        proc = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-        )
-    except OSError:
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def test_benchmark_quick_cpu(tmp_path):
-    """``--quick`` (without ``--results``) writes no results file, here or in the checkout."""
-    out = tmp_path / "rows.json"
-    results_before = (ROOT / "RESULTS.md").read_bytes()
-    status_before = git_status()
-    # One intra-op thread: on a busy 2-core CI runner, spinning OpenMP threads cost far more
-    # than they gain on these small shapes.
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--quick",
-            "--device",
-            "cpu",
-            "--json",
-            str(out),
-        ],
-        cwd=tmp_path,  # the script must find muon_plugin by itself, and write nothing here
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    tail = (proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]).strip()
-    assert proc.returncode == 0, tail
-    assert "SUMMARY" in proc.stdout, tail
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"], "wrote more than --json"
-    assert (ROOT / "RESULTS.md").read_bytes() == results_before, "--quick rewrote RESULTS.md"
-    assert git_status() == status_before, "the benchmark changed the checkout"
-
-    data = json.loads(out.read_text())
-    meta, rows = data["meta"], data["rows"]
-    assert meta["torch"] and meta["command"].startswith("python ")
-    assert "--quick" in meta["command"]
-
-    for section in CPU_SECTIONS:
-        got = [r for r in rows if r.get("section") == section]
-        ok = [r for r in got if "error" not in r and "skipped" not in r]
-        assert ok, f"no successful rows for section {section!r}: {got}"
-
-    step = [r for r in rows if r.get("section") == "step" and "ms" in r]
-    names = {r["name"] for r in step}
-    for required in (
-        "MuonForeach (polar_express)",
-        "MuonForeach (newton_schulz)",
-        "Muon (per-parameter)",
-        "naive reference Muon",
-        "AdamW(fused=True)",
-        "MuonForeach elementwise only",
-    ):
-        assert required in names, f"missing step row {required!r}: {sorted(names)}"
-    assert all(r["ms"] > 0 for r in step)
-    workloads = {r["workload"] for r in step}
-    assert len(workloads) == 3, workloads  # Llama and GPT-125M in fp32, Llama in bf16
-    bf16 = {r["name"] for r in step if r["workload"].endswith(" bf16")}
-    assert {"MuonForeach (polar_express)", "AdamW(fused=True)"} <= bf16, bf16
-
-    ortho = [r for r in rows if r.get("section") == "ortho" and "ms" in r]
-    assert {r["name"] for r in ortho} >= {
-        "polar_express",
-        "newton_schulz",
-        "polar_express, plain bf16 loop",
-    }
-    assert all(r["tflops"] > 0 and r["pct_peak"] > 0 for r in ortho)
-    # The accuracy columns: distance to the exact (fp64) polar factor on two kinds of input;
-    # the default path is never farther from it than the plain bf16 loop.
-    assert all(0 < r["polar_err_gauss"] < 1 and 0 < r["polar_err_low_rank"] < 1 for r in ortho)
-    default = [r for r in ortho if r["name"] == "polar_express"]
-    assert default and all(r["as_accurate_as_plain"] for r in default)
-
-    mem = [r for r in rows if r.get("section") == "memory" and "state_bytes_per_param" in r]
-    by_name = {r["name"]: r["state_bytes_per_param"] for r in mem if "bf16" not in r["workload"]}
-    # One fp32 momentum buffer for Muon, two fp32 moments for AdamW (fp32 params).
-    assert abs(by_name["MuonForeach (polar_express)"] - 4.0) < 0.1
-    assert abs(by_name["AdamW(fused=True)"] - 8.0) < 0.1
-
-
-def test_results_written_only_with_results_option(tmp_path):
-    """``--results PATH`` writes PATH's benchmark section; by default nothing is written."""
-    benchmark = load_script()
-    assert benchmark.parse_args(["--quick"]).results is None
-    assert benchmark.parse_args(["--results", "R.md"]).results == Path("R.md")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPU_ONLY = {"CUDA graphs need a GPU", "the Triton kernel needs a GPU"}
+"""Skip reasons of the rows meant for a GPU: on the CPU they run on the torch paths here."""
+PEERS_ELSEWHERE = "a peer library: scripts/run_one_gpu.sh peers runs it (minutes of autotuning)"
 
 
 @functools.cache
@@ -121,6 +40,206 @@ def load_script():
     sys.modules[spec.name] = benchmark  # dataclasses look their module up
     spec.loader.exec_module(benchmark)
     return benchmark
+
+
+def tiny_config(benchmark):
+    """Matrix dims / 64 (on a GPU / 16, the --quick sizes: no Triton tile narrower than 16),
+    one layer per model, one warm-up and one timed step per row."""
+    return benchmark.Config(
+        full=False, div=64 if DEVICE == "cpu" else 16, llama_layers=1, gpt_layers=1, peak_n=64,
+        step_warmup=1, step_iters_large=1, step_iters_small=1, compile_row=True,
+    )  # fmt: skip
+
+
+def one_repeat(timer, fn, **_) -> float:
+    """``Timer.bench`` with one timed call after the first (the script's own loops time for
+    100 ms or more per figure)."""
+    fn()
+    timer.sync()
+    return timer.time_step(fn)
+
+
+@contextlib.contextmanager
+def every_row_runnable(benchmark) -> contextlib.AbstractContextManager[None]:
+    """The script at tiny sizes with each row runnable here (or skipped with a reason)."""
+    from muon_plugin.orthogonalize import backends
+
+    real_rows = benchmark.optimizer_rows
+    peer_names = {name for name, _, _ in benchmark.PEERS}
+
+    def rows(cfg):
+        out = real_rows(cfg)
+        for row in out:
+            if row.skip in GPU_ONLY:
+                row.skip = None  # the torch paths of the CPU
+            if row.name in peer_names:
+                row.make, row.skip = None, PEERS_ELSEWHERE
+        return out
+
+    def stand_in_peer(params, lr):
+        return torch.optim.SGD(params, lr=lr)
+
+    eager = functools.cache(
+        lambda: torch.compile(backends._run_uncompiled, backend="eager", dynamic=False)
+    )
+    peer = types.ModuleType("stand_in_peer")
+    peer.Muon = stand_in_peer
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        # (not mock.patch.dict: on exit it would drop every module imported meanwhile)
+        sys.modules["stand_in_peer"] = peer
+        stack.callback(sys.modules.pop, "stand_in_peer", None)
+        enter(mock.patch.object(benchmark, "GENERIC_PEERS", [("stand_in_peer", ["Muon"])]))
+        enter(mock.patch.object(benchmark, "optimizer_rows", rows))
+        enter(mock.patch.object(benchmark, "make_config", lambda *a: tiny_config(benchmark)))
+        enter(mock.patch.object(benchmark.Timer, "bench", one_repeat))
+        enter(mock.patch.object(backends, "_compiled_run", eager))
+        # A full garbage collection after each row takes 0.3 s in this process; rows this
+        # small leave nothing worth collecting.
+        enter(mock.patch.object(benchmark, "free_memory", lambda: None))
+        yield
+
+
+@pytest.fixture(scope="module")
+def every_row(tmp_path_factory) -> tuple[int, dict, str, list[str]]:
+    """(exit status, the --json file, stdout, the files of the run's folder) of one run of
+    every section on ``DEVICE``."""
+    benchmark = load_script()
+    tmp = tmp_path_factory.mktemp("every_row")
+    out = tmp / "rows.json"
+    results_before = (ROOT / "RESULTS.md").read_bytes()
+    printed = io.StringIO()
+    argv = ["--device", DEVICE, "--compile", "--json", str(out)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy CPU, spinning threads cost more than they give here
+    try:
+        with every_row_runnable(benchmark), contextlib.redirect_stdout(printed):
+            status = benchmark.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    assert (ROOT / "RESULTS.md").read_bytes() == results_before, "rewrote RESULTS.md"
+    return (
+        status,
+        json.loads(out.read_text()),
+        printed.getvalue(),
+        sorted(p.name for p in tmp.iterdir()),
+    )
+
+
+def test_every_step_row_of_every_workload_prints_a_number(every_row) -> None:
+    status, data, printed, files = every_row
+    assert status == 0, printed[-3000:]
+    assert files == ["rows.json"] and "SUMMARY" in printed
+    benchmark = load_script()
+    with every_row_runnable(benchmark):
+        names = [row.name for row in benchmark.optimizer_rows(tiny_config(benchmark))]
+    step = [r for r in data["rows"] if r["section"] == "step"]
+    workloads = list(dict.fromkeys(r["workload"] for r in step))
+    assert len(workloads) == 3, workloads  # Llama and GPT-125M in fp32, Llama in bf16
+    for workload in workloads:
+        got = {r["name"]: r for r in step if r["workload"] == workload}
+        bf16 = workload.endswith(" bf16")
+        assert list(got) == [n for n in names if not bf16 or n in benchmark.BF16_ROWS]
+        for name, r in got.items():
+            if name in {n for n, _, _ in benchmark.PEERS}:
+                assert r["skipped"] == PEERS_ELSEWHERE
+                continue
+            assert "error" not in r and "skipped" not in r, r
+            assert r["ms"] > 0 and r["first_step_ms"] > 0, r
+        if not bf16:
+            assert got["stand_in_peer.Muon"]["ms"] > 0
+    # Every row's memory: one fp32 momentum buffer for Muon, two fp32 moments for AdamW.
+    mem = {
+        r["name"]: r
+        for r in data["rows"]
+        if r["section"] == "memory" and "bf16" not in r["workload"]
+    }
+    assert abs(mem["MuonForeach (polar_express)"]["state_bytes_per_param"] - 4.0) < 0.1
+    assert abs(mem["AdamW(fused=True)"]["state_bytes_per_param"] - 8.0) < 0.1
+    # NorMuon: the momentum plus one fp32 second moment per row (4 / cols bytes a parameter)
+    assert 4.0 < mem["MuonForeach (NorMuon)"]["state_bytes_per_param"] < 4.5
+    assert all("state_mib" in r for r in mem.values() if "skipped" not in r)
+    for table in ("kernels:", "ortho:", "step:", "memory:"):
+        assert f"\n{table}\n" in printed
+
+
+def test_every_kernel_and_orthogonalization_row_prints_a_number(every_row) -> None:
+    _, data, _, _ = every_row
+    kernels = [r for r in data["rows"] if r["section"] == "kernels"]
+    assert {r["kind"] for r in kernels} == {"gram", "epilogue"}
+    assert all("error" not in r for r in kernels), kernels
+    assert all(r["cublas_ms"] > 0 and r["gram_ms"] > 0 for r in kernels)
+    if DEVICE == "cpu":  # the Triton kernel's columns need a GPU
+        assert all(r["note"] == "triton kernel skipped: no CUDA" for r in kernels)
+    else:
+        assert all(r["triton_ms"] > 0 for r in kernels)
+    ortho = [r for r in data["rows"] if r["section"] == "ortho"]
+    assert all("error" not in r and r["ms"] > 0 and r["tflops"] > 0 for r in ortho), ortho
+    assert {r["name"] for r in ortho} >= {
+        "polar_express", "newton_schulz", "polar_express, plain bf16 loop",
+        "naive eager NS (reference)",
+    }  # fmt: skip
+    # The accuracy columns: distance to the exact (fp64) polar factor on two kinds of input.
+    assert all(0 < r["polar_err_gauss"] < 1 and 0 < r["polar_err_low_rank"] < 1 for r in ortho)
+    default = [r for r in ortho if r["name"] == "polar_express"]
+    assert default and all("as_accurate_as_plain" in r for r in default)
+    if DEVICE == "cpu":  # the same loop as the plain one here; on a GPU the fast paths' accuracy
+        # is claimed at the benchmark's sizes and tested in tests/test_orthogonalize.py
+        assert all(r["as_accurate_as_plain"] for r in default)
+    assert load_script().markdown_section(data["meta"], {"kernels": kernels, "ortho": ortho}, None)
+
+
+def test_every_orthogonalization_variant_runs_here(monkeypatch) -> None:
+    """ "polar_express, cuBLAS only" is listed where the Gram-space path runs (on a GPU); its
+    function and environment switch run on any device."""
+    benchmark = load_script()
+    monkeypatch.setattr(benchmark, "use_gram_iteration", lambda G: True)
+    G = torch.randn(32, 64, device=DEVICE)
+    variants = benchmark.ortho_variants(G, use_triton=True)
+    assert [name for name, *_ in variants] == [
+        "polar_express", "newton_schulz", "polar_express, plain bf16 loop",
+        "polar_express, cuBLAS only", "naive eager NS (reference)",
+    ]  # fmt: skip
+    for name, fn, env, _ in variants:
+        with contextlib.ExitStack() as stack:
+            for key, value in env.items():
+                stack.enter_context(benchmark.env_var(key, value))
+            assert torch.isfinite(fn(G).float()).all(), name
+
+
+def test_a_row_patch_that_is_never_called_or_not_counted_is_an_error() -> None:
+    """The rows that patch the code they time check that their patch ran; a context that
+    yields anything but a Patched (what broke two rows on the GPU) is named."""
+    benchmark = load_script()
+    cfg = tiny_config(benchmark)
+    device = torch.device("cpu")
+    wl = benchmark.make_workload("w", benchmark.gpt_shapes(1, 64), device, 1)
+    timer = benchmark.Timer(device)
+
+    def row(context):
+        make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+        return benchmark.run_row(
+            benchmark.Row("r", "ours", make, context), wl, cfg, timer, True, False
+        )
+
+    class Target:
+        unused = staticmethod(lambda: None)
+
+    never = row(lambda: benchmark.row_patch(Target, "unused", lambda: None))
+    assert never["error"] == "RuntimeError: the row's patch of Target.unused was never called"
+    raw = row(lambda: mock.patch.object(Target, "unused", lambda: None))
+    assert raw["error"] == "TypeError: the row's context yields function, not Patched"
+    gpu_only = benchmark.Patched("x", on_cpu=False)
+    gpu_only.verify(cuda=False)  # the CPU does not ask the patched code
+    with pytest.raises(RuntimeError, match="patch of x was never called"):
+        gpu_only.verify(cuda=True)
+
+
+def test_results_written_only_with_results_option(tmp_path):
+    """``--results PATH`` writes PATH's benchmark section; by default nothing is written."""
+    benchmark = load_script()
+    assert benchmark.parse_args(["--quick"]).results is None
+    assert benchmark.parse_args(["--results", "R.md"]).results == Path("R.md")
 
 
 def test_results_section_is_replaced_in_place(tmp_path):
@@ -236,9 +355,10 @@ def test_merge_reports_saved_runs(tmp_path, capsys):
     assert "bad.json: not a benchmark --json file" in capsys.readouterr().err
 
 
-def test_rows_and_workloads_select_what_runs(tmp_path):
+def test_rows_and_workloads_select_what_runs(tmp_path, monkeypatch):
     """``--rows`` and ``--workloads`` run only the named step rows on the named workloads."""
     benchmark = load_script()
+    monkeypatch.setattr(benchmark, "free_memory", lambda: None)  # see every_row_runnable
     out = tmp_path / "rows.json"
     argv = ["--quick", "--device", "cpu", "--sections", "step,memory", "--json", str(out)]
     argv += ["--rows", "MuonForeach (polar,adamw", "--workloads", "gpt"]
@@ -258,6 +378,7 @@ def test_budget_and_partial_json(tmp_path, monkeypatch):
     """Rows after ``--budget`` are skipped (named so); with ``--json`` the file holds every
     finished row while the run goes on, so a run stopped from outside keeps them."""
     benchmark = load_script()
+    monkeypatch.setattr(benchmark, "free_memory", lambda: None)  # see every_row_runnable
     out = tmp_path / "rows.json"
     argv = ["--quick", "--device", "cpu", "--sections", "step", "--json", str(out)]
     argv += ["--workloads", "gpt", "--rows", "MuonForeach (polar,adamw,naive"]
@@ -326,32 +447,3 @@ def test_torch_scaling_ablation_row_switches_the_kernel_off_while_it_runs():
         assert matrix_scale._use_kernel is not rule
         assert not matrix_scale._use_kernel(None, True)
     assert matrix_scale._use_kernel is rule
-
-
-def test_one_gpu_script_runs_and_merges_its_repeats(tmp_path):
-    """``scripts/run_one_gpu.sh bench`` (SMOKE=1: on the CPU, --quick): each repeat its own
-    process and JSON file, numbered after those already in $OUT, and the merged report."""
-    env = dict(
-        os.environ,
-        SMOKE="1",
-        OUT=str(tmp_path),
-        PYTHON=sys.executable,
-        REPEATS="2",
-        ROWS="MuonForeach (polar,AdamW",
-        BENCH_S="60",
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-    )
-    (tmp_path / "bench1.json").write_text("{}")  # an earlier call's run: kept, not reused
-    script = ROOT / "scripts" / "run_one_gpu.sh"
-    proc = subprocess.run(
-        ["bash", str(script), "bench"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "benchmark run 2 rc=0" in proc.stdout and "benchmark run 3 rc=0" in proc.stdout
-    for n in (2, 3):
-        rows = json.loads((tmp_path / f"bench{n}.json").read_text())["rows"]
-        step = {r["name"] for r in rows if r["section"] == "step"}
-        assert step == {"MuonForeach (polar_express)", "AdamW(fused=True)"}, step
-    merged = (tmp_path / "bench.txt").read_text()
-    assert "bench1.json: not a benchmark --json file" in merged  # named, not silently merged

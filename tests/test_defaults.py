@@ -23,6 +23,10 @@ SHARED = {
     "cautious_weight_decay": "use_cautious_wd",
     "flatten": "flatten",
     "compile": "compile",
+    "normalization": "normalization",
+    "normuon_beta2": "normuon_beta2",
+    "normuon_eps": "normuon_eps",
+    "normuon_rescale": "normuon_rescale",
 }
 
 
@@ -57,6 +61,8 @@ def test_the_option_schema_choices_are_defaults_py_with_the_default_first():
         ("orthogonalization", D.STRATEGIES),
         ("lr_adjust", D.LR_ADJUSTMENTS),
         ("state_dtype", D.STATE_DTYPES),
+        ("normalization", D.NORMALIZATIONS),
+        ("normuon_rescale", D.NORMUON_RESCALES),
     ):
         listed = typing.get_args(fields[option].type)
         assert sorted(listed) == sorted(allowed) and listed[0] == fields[option].default, option

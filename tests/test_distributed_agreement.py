@@ -1,11 +1,12 @@
-"""Ranks that disagree on the Muon parameter list fail at plan build with one clear error.
+"""Ranks that disagree on the Muon parameter list fail with one clear error, at every step.
 
 Spawned gloo processes (world sizes 2 and 4, FSDP2 ``Shard(0)``, a 2 x 2 mesh, plain tensors
 under ``replicate_group``): a group in another order on one rank, another set of same-size
 parameters with gradients, an extra parameter on one rank, another setting on one rank: every
 rank raises the same ``RankDisagreementError`` naming the parameter and the ranks. An agreeing
 setup steps like one process, also after its plan is rebuilt, and the rebuilt plan is checked
-again.
+again. A gradient that goes None on one rank only after a step (that rank alone would rebuild
+its plan while its peers run their cached one) fails within the step on every rank, by name.
 """
 
 from __future__ import annotations
@@ -151,12 +152,27 @@ def case_agree_then_rebuild(rank: int, ws: int, driver) -> None:
     expect_same_error(opt, r"parameter 'b' .* is given on rank 0 but not")
 
 
+def case_one_rank_drops_a_gradient_after_a_step(rank: int, ws: int, driver) -> None:
+    """Step 0 agrees (every rank caches its plan); at step 1 only the last rank has no
+    gradient on ``c``: its list changes while its peers' cached plans would run unchanged."""
+    named = fsdp_params(ws, seed=4)
+    opt = driver([group_of(named)], **KWARGS)
+    set_random_grads(named, 0)
+    opt.step()
+    set_random_grads(named, 1)
+    if rank == ws - 1:
+        dict(named)["c"].grad = None
+    others = "rank 0" if ws == 2 else rf"ranks \[{', '.join(map(str, range(ws - 1)))}\]"
+    expect_same_error(opt, rf"parameter 'c' .* is given on {others} but not on rank {ws - 1}")
+
+
 def job_world2(rank: int, ws: int) -> None:
     case_reordered(rank, ws, Muon)
     case_different_set(rank, ws, MuonForeach)
     case_different_set_unnamed(rank, ws, Muon)
     case_replicated_plain(rank, ws, MuonForeach)
     case_agree_then_rebuild(rank, ws, Muon)
+    case_one_rank_drops_a_gradient_after_a_step(rank, ws, MuonForeach)
 
 
 def job_world4(rank: int, ws: int) -> None:
@@ -166,6 +182,7 @@ def job_world4(rank: int, ws: int) -> None:
     case_setting(rank, ws, Muon)
     case_mesh_2x2(rank, ws, Muon)
     case_agree_then_rebuild(rank, ws, MuonForeach)
+    case_one_rank_drops_a_gradient_after_a_step(rank, ws, Muon)
 
 
 @pytest.mark.timeout(200)

@@ -2,7 +2,9 @@
 
 Train two steps under FSDP=4, save with ``torch.distributed.checkpoint`` (flattened optimizer
 state dict, as torchtitan does), load under FSDP=2 x TP=2, take a third step: parameters and
-momentum equal those of the uninterrupted FSDP=4 run. And the reverse.
+momentum equal those of the uninterrupted FSDP=4 run. And the reverse. The second block's
+matrices run NorMuon, so their per-row second moments are resharded too (from row shards to
+TP's replicated rows of a column-sharded matrix, and back).
 
 With ``MUON_TEST_BACKEND=nccl`` it runs on 4 GPUs; the third step's Muon update is then compared
 up to ``dist_utils.GPU_UPDATE_RTOL`` (GPU matmuls round differently across layouts).
@@ -41,6 +43,7 @@ from muon_plugin.distributed.layout import layout_of
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 KWARGS = dict(lr=0.02, wd=0.1, momentum=0.9)
+NORMUON = {"normalization": "normuon", "normuon_beta2": 0.9}
 D, H = 16, 40
 
 
@@ -57,8 +60,8 @@ def build(layout: str):
             parallelize_module(block, mesh["tp"], TP_PLAN)
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    opt = MuonForeach(split_groups(list(model.named_parameters())), **KWARGS)
-    return model, opt
+    groups = split_groups(list(model.named_parameters()), **{"1.w": NORMUON})
+    return model, MuonForeach(groups, **KWARGS)
 
 
 def global_grad(name: str, shape, step: int) -> torch.Tensor:
@@ -108,6 +111,7 @@ def job_reshard(rank: int, ws: int, root: str) -> None:
         sd = state_dicts(model, opt)
         keys = set(sd["optim"]["state"]) if "state" in sd["optim"] else set(sd["optim"])
         assert any(k.endswith("0.wq.weight.momentum_buffer") for k in keys), sorted(keys)[:5]
+        assert any(k.endswith("1.wo.weight.normuon_second_moment") for k in keys), sorted(keys)
         dcp.save(sd, checkpoint_id=path)
         # Where only closeness holds (GPUs), the third step's updates are compared.
         before = None if exact() else snapshot(model, opt)
@@ -125,7 +129,7 @@ def job_reshard(rank: int, ws: int, root: str) -> None:
         got = snapshot(model2, opt2)
         assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
         for key, value in expected.items():
-            muon = key.endswith(".weight") or key.endswith("momentum_buffer")
+            muon = key.endswith((".weight", "momentum_buffer", "normuon_second_moment"))
             if before is not None and key.endswith(".weight") and got[key].ndim >= 2:
                 rel = update_difference(got[key], value, before[key])
                 assert rel <= GPU_UPDATE_RTOL, (

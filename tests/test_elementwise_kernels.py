@@ -33,7 +33,9 @@ def test_kernel_groups_leave_cpu_tensors_to_foreach(monkeypatch):
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_kernel_groups_follow_the_backend(monkeypatch):
-    """``enabled`` (what elementwise_kernels_allowed resolved) overrides the environment."""
+    """``enabled`` (what elementwise_kernels_allowed resolved from the backend's name, the
+    environment's overrides included) is what counts; without it (a one-off call) the
+    environment is read."""
     from muon_plugin.orthogonalize import elementwise_kernels_allowed
 
     monkeypatch.setattr("muon_plugin.kernels.elementwise._ALLOW_CPU", True)
@@ -43,8 +45,9 @@ def test_kernel_groups_follow_the_backend(monkeypatch):
     for name, expected in [("auto", ([[0, 1]], [])), ("cublas", ([], [0, 1]))]:
         assert kernel_groups(a, a, enabled=elementwise_kernels_allowed(name)) == expected
     assert kernel_groups(a, a, enabled=elementwise_kernels_allowed("plain")) == ([], [0, 1])
-    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
-    assert not elementwise_kernels_allowed("auto")
+    assert not elementwise_kernels_allowed("auto:no-triton")
+    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")  # read by one-off calls only
+    assert kernel_groups(a, a) == ([], [0, 1])
     assert kernel_groups(a, a, enabled=True) == ([[0, 1]], [])
 
 

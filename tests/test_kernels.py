@@ -134,3 +134,15 @@ def test_disable_env_var_forces_torch(monkeypatch):
 
     monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
     assert not S.triton_kernels_enabled()
+
+
+def test_the_kernels_region_scales_with_the_gpus_sm_count(monkeypatch):
+    """Its tiles must fill the GPU it runs on (two programs per SM): a GPU of half the SMs
+    takes the kernel with half the tiles; no GPU, the region measured on 132 SMs."""
+    from muon_plugin.kernels import symmetric
+
+    shape = (2048, 8192, 1)  # m, k, batch: 136 tiles, below 2 x 132 and above 2 x 66
+    assert not use_symmetric_kernel(*shape)
+    assert symmetric.sm_count(None) == symmetric.sm_count(torch.device("cpu")) == 132
+    monkeypatch.setattr(symmetric, "sm_count", lambda device=None: 66)
+    assert use_symmetric_kernel(*shape, device=torch.device("cuda", 0))

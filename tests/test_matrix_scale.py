@@ -11,7 +11,7 @@ import torch
 from subprocess_env import run_in_interpreter
 
 from muon_plugin.kernels import triton_available
-from muon_plugin.kernels.matrix_scale import prescale_huge_, scale_matrices_
+from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
 
 cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
@@ -32,9 +32,26 @@ def test_cpu_batches_take_the_torch_ops():
     assert torch.equal(out, X * f.to(X.dtype))
     big = X.clone()
     big[1] *= 2.0**40
-    prescale_huge_(big, 2.0**32, kernel=True)
-    assert torch.equal(big[0], X[0]) and torch.equal(big[2], X[2])
-    assert 1.0 <= big[1].abs().max().item() < 2.0  # brought into [1, 2) by a power of two
+    big[2] *= 2.0**-60
+    prescale_(big, 2.0**-20, 2.0**32, kernel=True)
+    assert torch.equal(big[0], X[0])
+    for i in (1, 2):  # brought into [1, 2) by a power of two
+        assert 1.0 <= big[i].abs().max().item() < 2.0
+        assert torch.equal(big[i] / big[i].abs().max(), X[i] / X[i].abs().max())
+    zero = torch.zeros(2, 4, 4)
+    prescale_(zero, 2.0**-20, 2.0**32)
+    assert torch.equal(zero, torch.zeros(2, 4, 4))
+
+
+def test_tiny_prescaling_stops_at_the_dtypes_largest_finite_factor():
+    """A subnormal max-abs would need a factor beyond the dtype's range (2^149 in fp32): the
+    factor stops at 2^127 (fp32, bf16) or 2^15 (fp16), finite, the matrix no longer tiny."""
+    cases = ((torch.float16, 15, 2.0**-24), (torch.bfloat16, 127, 2.0**-131))
+    for dtype, limit, smallest in (*cases, (torch.float32, 127, 2.0**-131)):
+        X = torch.full((1, 2, 2), smallest, dtype=dtype)
+        prescale_(X, 2.0**-20, 2.0**32)
+        assert torch.isfinite(X).all(), dtype
+        assert X.abs().max().item() == smallest * 2.0**limit, dtype
 
 
 @cuda
@@ -48,9 +65,10 @@ def test_scale_kernel_matches_torch_on_the_gpu(dtype):
     assert torch.equal(out, X.mul(f.to(dtype)))
     if dtype != torch.float16:
         X[5] *= 1e12
+    X[6] *= 2.0**-50 if dtype != torch.float16 else 2.0**-10
     kernel, eager = X.clone(), X.clone()
-    prescale_huge_(kernel, 2.0**32, kernel=True)
-    prescale_huge_(eager, 2.0**32, kernel=False)
+    prescale_(kernel, 2.0**-20, 2.0**32, kernel=True)
+    prescale_(eager, 2.0**-20, 2.0**32, kernel=False)
     assert torch.equal(kernel, eager)
 
 
@@ -76,5 +94,5 @@ def test_a_kernel_that_fails_warns_once_and_leaves_it_to_torch(monkeypatch):
         scale_matrices_(out, f, kernel=True)
     assert torch.equal(out, X * f.to(X.dtype))
     scale_matrices_(out, f, kernel=True)  # no second attempt, no second warning
-    prescale_huge_(out, 2.0**32, kernel=True)
+    prescale_(out, 2.0**-20, 2.0**32, kernel=True)
     assert Broken.calls == 1

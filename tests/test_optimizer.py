@@ -176,6 +176,29 @@ def test_zero_gradient_gives_no_nan(driver):
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
+def test_the_update_does_not_depend_on_the_gradients_scale(driver):
+    """Two steps with gradients scaled by 2^-100 (or 2^60) move the parameters exactly as at
+    scale 1 (momentum, orthogonalization and update are scale-equivariant); at 1e-30 they move
+    them as far (a norm clamped to eps once made such updates 1e20 times smaller)."""
+    moved = {}
+    for scale in (1.0, 2.0**-100, 2.0**60, 1e-30, 1e-12):
+        params = make_params((24, 16), (3, 8, 12))
+        start = [p.detach().clone() for p in params]
+        opt = driver(params, lr=0.02, wd=0.0)
+        for step in range(2):
+            set_grads(params, step)
+            for p in params:
+                p.grad.mul_(scale)
+            opt.step()
+        moved[scale] = [p.detach() - s for p, s in zip(params, start, strict=True)]
+    for scale in (2.0**-100, 2.0**60):
+        assert all(torch.equal(a, b) for a, b in zip(moved[scale], moved[1.0], strict=True))
+    for scale in (1e-30, 1e-12):
+        for a, b in zip(moved[scale], moved[1.0], strict=True):
+            assert rel_err(a, b) < 0.05, scale
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_bf16_params_keep_fp32_momentum_and_grad_untouched(driver):
     (p,) = make_params((32, 16), dtype=torch.bfloat16)
     p.grad = torch.randn(32, 16, dtype=torch.bfloat16)
@@ -270,6 +293,17 @@ def test_bad_inputs_raise_naming_the_problem():
     bad("adam_betas", [{"params": [model.bias], "algorithm": "adamw"}], adam_betas=(0.9, 1.5))
     bad("split_sizes .* sum to 3", [model.weight], split_sizes=(1, 2))
     bad("split_sizes must be positive", [model.weight], split_sizes=(4, 0))
+
+
+def test_a_parameter_given_twice_is_refused_by_name():
+    """torch.optim only warns, then updates such a parameter twice per step."""
+    a, b = make_params((4, 4), (4, 4))
+    bad(r"param group 0: parameter 'a' \(shape \(4, 4\).* appears twice \(positions 0 and 2\)",
+        [("a", a), ("b", b), ("a", a)])  # fmt: skip
+    opt = Muon([a])
+    with pytest.raises(ValueError, match=r"param group 1: parameter #1 .* appears twice"):
+        opt.add_param_group({"params": [b, b]})
+    assert len(opt.param_groups) == 1
 
 
 def test_a_bad_group_leaves_the_optimizer_usable():

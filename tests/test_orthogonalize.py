@@ -252,6 +252,26 @@ def test_zero_input_stays_zero_on_every_path(monkeypatch, path):
     assert torch.isfinite(out).all() and (out == 0).all()
 
 
+@pytest.mark.parametrize("path", [None, *PATHS])
+def test_the_result_does_not_depend_on_the_inputs_scale(monkeypatch, path):
+    """Muon's update is scale-invariant, at both ends: a power-of-two scale from 2^-100 to
+    2^100 gives the scale-1 result bit for bit (tiny and huge inputs are first brought to
+    [1, 2) exactly), other tiny scales a result as close to the polar factor as at scale 1
+    (their inputs round differently; subnormal entries at 1e-36);
+    a gradient at 1e-12 was once orthogonalized against a norm clamped to eps (a 70x smaller
+    update) and one at 1e-30 underflowed to zero."""
+    if path is not None and path.startswith("kernel"):
+        monkeypatch.setattr(ITERATIONS, kernel_like_gram)
+    kw = {} if path is None else {"path": PATHS[path]}
+    G = gradient_like(2, 24, 64, seed=7)
+    at_one = zeropower(G, 5, **kw)
+    for scale in (2.0**-100, 2.0**-40, 2.0**40, 2.0**100):
+        assert torch.equal(zeropower(G * scale, 5, **kw), at_one), scale
+    err = rel_err(at_one, polar(G))
+    for scale in (1e-12, 1e-30, 1e-36):
+        assert rel_err(zeropower(G * scale, 5, **kw), polar(G)) < 1.25 * err + 0.01, scale
+
+
 def test_gram_iteration_on_cuda_for_wide_shapes(monkeypatch):
     import types
 

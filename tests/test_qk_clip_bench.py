@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # configs.llama3_bench_model
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_qk_clip  # noqa: E402
 import bench_titan_tps  # noqa: E402
@@ -42,7 +43,7 @@ def test_titan_tps_qk_clip_entry_is_a_valid_job() -> None:
     assert bench_titan_tps.optimizer_args("muon", 100.0) == ["--optimizer.name", "muon"]
     qk = bench_titan_tps.optimizer_args("muon+qk_clip", 100.0)
     assert qk == ["--optimizer.name", "muon", "--optimizer.muon.qk_clip_tau", "100"]
-    flavor = ["--experimental.custom_import", "muon_plugin.torchtitan.bench_model",
+    flavor = ["--experimental.custom_import", "configs.llama3_bench_model",
               "--model.name", "llama3_bench", "--model.flavor", "bench_8b_4l"]  # fmt: skip
     job = check(str(ROOT / "configs" / "llama3_8b_muon.toml"), [*qk, *flavor])
     assert job.optimizer.muon.qk_clip_tau == 100.0 and job.model.flavor == "bench_8b_4l"
@@ -58,7 +59,7 @@ def test_titan_tps_qk_clip_entry_is_a_valid_job() -> None:
 
 
 def test_bench_8b_4l_is_four_llama3_8b_layers() -> None:
-    import muon_plugin.torchtitan.bench_model as bench_model
+    import configs.llama3_bench_model as bench_model
 
     args = bench_model.FLAVORS["bench_8b_4l"]
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (4096, 4, 32, 8)

@@ -137,3 +137,24 @@ def test_an_old_checkpoint_without_a_setting_loads_with_the_default():
     fresh.load_state_dict(sd)
     assert fresh.param_groups[0]["ns_steps"] == 3
     assert torch.equal(fresh.state[w]["momentum_buffer"], opt.state[w]["momentum_buffer"])
+
+
+def test_a_parameter_without_saved_state_is_named_in_a_warning():
+    """A state dict that has state for some parameters but not for another restarts that
+    one's momentum: said, naming it; a state dict saved before any step says nothing."""
+    a, b = (torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2))
+    opt = Muon([{"params": [a, b], "param_names": ["a", "b"]}], lr=0.02)
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["state"][1]  # b's
+    fresh = Muon([{"params": [a, b], "param_names": ["a", "b"]}], lr=0.02)
+    with pytest.warns(UserWarning, match=r"no state for parameter 'b' \(shape \(6, 4\)"):
+        fresh.load_state_dict(sd)
+    import warnings
+
+    unstepped = Muon([{"params": [a, b], "param_names": ["a", "b"]}], lr=0.02).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([{"params": [a, b], "param_names": ["a", "b"]}], lr=0.02).load_state_dict(unstepped)

@@ -140,8 +140,7 @@ def test_a_stack_the_caller_may_overwrite_is_not_copied(monkeypatch):
     (there was one, a whole stack more in every graph's pool)."""
     from muon_plugin.orthogonalize import MatrixSpec, get_backend
 
-    monkeypatch.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
-    spec, backend = MatrixSpec(), get_backend("auto")
+    spec, backend = MatrixSpec(), get_backend("auto:no-triton")  # the torch paths
     with fake_cuda(monkeypatch):
         for shape, bound in (((48, 768, 768), 3.0), ((12, 768, 3072), 2.0)):
             G = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")

@@ -112,6 +112,10 @@ DIFFERENT_ON_PURPOSE: dict[str, str] = {
         "refused earlier: at construction, as ValueError with torch's message (torch raises "
         "RuntimeError at the first step)"
     ),
+    "a param group cannot have duplicate parameters": (
+        "refused with a ValueError naming the parameter (torch warns, then updates it twice "
+        "per step)"
+    ),
 }
 
 # Fewer runnable tests than this per class means the loading went wrong: torch's suite gives
@@ -261,7 +265,8 @@ def test_every_upstream_test_runs_or_has_a_reason(label: str) -> None:
 def test_deliberate_differences(cls: type) -> None:
     """torch's error inputs left out of test_errors (``DIFFERENT_ON_PURPOSE``), and what this
     project does instead: a 3-D parameter steps as a batch of matrices; a complex one is
-    refused at construction with torch's message."""
+    refused at construction with torch's message; a parameter given twice in a group is
+    refused by name instead of warned about."""
     inputs = {
         e.optimizer_error_input.desc: e
         for e in TORCH_MUON_INFO.optim_error_inputs_func(device="cpu", dtype=torch.float32)
@@ -274,3 +279,6 @@ def test_deliberate_differences(cls: type) -> None:
     complex_input = inputs["does not support complex parameters"]
     with pytest.raises(ValueError, match=complex_input.error_regex):
         cls(complex_input.optimizer_error_input.params, lr=0.1)
+    twice = inputs["a param group cannot have duplicate parameters"].optimizer_error_input
+    with pytest.raises(ValueError, match=r"parameter #1 .* appears twice \(positions 0 and 1\)"):
+        cls(twice.params, **twice.kwargs)

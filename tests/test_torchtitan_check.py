@@ -30,7 +30,23 @@ def one_error(capsys, *argv: str) -> str:
 
 def test_valid_config_prints_the_dump_folder(capsys) -> None:
     code, out, err = run(capsys, CONFIG, "--optimizer.muon.no-nesterov", "--training.steps=3")
-    assert code == 0 and out.strip() == "./outputs/llama3_debug_muon", err
+    assert code == 0 and out.splitlines()[0] == "./outputs/llama3_debug_muon", err
+
+
+def test_the_paths_the_job_reads_follow_the_dump_folder(capsys, monkeypatch, tmp_path) -> None:
+    """What train.sh decides on (build the local corpus or not): every ``*_path`` the job reads,
+    from the TOML or the command line, absolute against the working directory."""
+    monkeypatch.chdir(tmp_path)
+    here = tmp_path.resolve()
+    code, out, err = run(capsys, CONFIG, "--training.dataset_path", "elsewhere/corpus")
+    assert code == 0, err
+    assert out.splitlines()[1:] == [
+        str(here / "data" / "tokenizer"),
+        str(here / "elsewhere/corpus"),
+    ]
+    args = ["--validation.enable", "--validation.dataset_path", "/v", "--model.hf_assets_path=/t"]
+    code, out, err = run(capsys, CONFIG, *args)
+    assert out.splitlines()[1:] == ["/t", str(here / "data" / "corpus"), "/v"], err
 
 
 def test_toml_typo_names_the_key_with_a_suggestion(capsys, tmp_path: Path) -> None:

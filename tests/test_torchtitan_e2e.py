@@ -3,7 +3,9 @@
 - the debug config trains (loss falls), validates on the held-out split of the local corpus and
   logs the Muon/AdamW groups and the plan;
 - a checkpoint saved under FSDP=2 resumes under TP=2 and under FSDP 2 x TP 2 (4 processes) with
-  the losses of the uninterrupted run that saved it;
+  the losses of the uninterrupted run that saved it; these runs use NorMuon
+  (``normalization = "normuon"``), so the per-row second moments are resharded too (row shards
+  to TP's copies of a column-sharded matrix's rows);
 - 2 pipeline stages train;
 - QK-Clip (``optimizer.muon.qk_clip_tau`` at a tau the debug models exceed from the first
   steps) is on in every run: the main run and the deepseek_v3 (MLA) run log the heads they clip,
@@ -225,6 +227,8 @@ LAYOUTS = {
 
 def _common(assets: Path) -> list[str]:
     return [
+        "--optimizer.muon.normalization",
+        "normuon",
         "--model.hf_assets_path",
         str(assets / "tokenizer"),
         "--lr_scheduler.total_steps",

@@ -7,6 +7,7 @@ Marked slow (each torchrun starts in ~10 s on 2 CPU cores).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,11 @@ pytestmark = [
 ]
 
 
-def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> subprocess.CompletedProcess:
+def train_sh(
+    args: list[str], tmp: Path, data: Path | None = None, data_dir: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``train.sh CONFIG ARGS``, reading ``data`` (a built corpus); ``DATA_DIR``: ``data_dir``,
+    else ``data``."""
     env = dict(os.environ)
     env.update(
         PYTHON=sys.executable,
@@ -37,7 +42,7 @@ def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> subprocess
     )
     env.pop("OMP_NUM_THREADS", None)
     if data is not None:
-        env["DATA_DIR"] = str(data)
+        env["DATA_DIR"] = str(data_dir or data)
         args = [
             "--model.hf_assets_path", str(data / "tokenizer"),
             "--training.dataset_path", str(data / "corpus"),
@@ -64,6 +69,12 @@ def test_log_summary_resume_and_optimizer_switch(assets: Path, tmp_path: Path) -
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     lines = first.stdout.splitlines()
     assert lines[0].startswith(f"train.sh: log: {dump}/logs/") and lines[-1] == lines[0]
+    assert lines[1:3] == [
+        f"[train] data: scripts/prepare_data.py --out {assets}",
+        f"[prepare_data] {assets} is up to date: corpus sha256 "
+        + json.loads((assets / "manifest.json").read_text())["corpus_sha256"][:16]
+        + " (from torch 2.13.0, torchtitan 0.2.2)",
+    ]
     log_file = Path(lines[0].split()[2])
     text = log_file.read_text()
     assert "Run summary: 2 logged steps (1-2)" in text
@@ -73,8 +84,13 @@ def test_log_summary_resume_and_optimizer_switch(assets: Path, tmp_path: Path) -
     assert ranks and "Run summary" in ranks[0].read_text()
 
     changed = ["--optimizer.muon.ns_steps", "7", "--optimizer.muon.norm_weight_decay", "0.05"]
-    resumed = train_sh([*ckpt, "--training.steps", "3", *changed], tmp_path, assets)
+    unread = tmp_path / "unread"  # DATA_DIR, which this job does not read: left alone
+    resumed = train_sh([*ckpt, "--training.steps", "3", *changed], tmp_path, assets, unread)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert resumed.stdout.splitlines()[1] == (
+        f"[train] data: the job reads nothing in {unread}, so scripts/prepare_data.py is not run"
+    )
+    assert not unread.exists()
     assert "ns_steps: 5 (checkpoint) -> 7 (job) in matrix" in resumed.stdout
     assert "Muon param groups after loading the checkpoint" in resumed.stdout
 

@@ -9,12 +9,21 @@ import re
 import pytest
 import torch
 
-from muon_plugin.kernels.tuning_cache import TuningCache, cache_dir
+from muon_plugin.kernels.tuning_cache import TuningCache, cache_dir, read_tuning_settings
+
+
+@pytest.fixture(autouse=True)
+def settings_of_the_real_environment():
+    """The tests point the tables elsewhere; later tests read the real environment again."""
+    yield
+    read_tuning_settings()
 
 
 def test_configs_round_trip_through_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path))
+    read_tuning_settings()
     monkeypatch.delenv("MUON_PLUGIN_AUTOTUNE_CACHE", raising=False)
+    read_tuning_settings()
     key = (4096, 14336, False, torch.bfloat16, torch.bfloat16, torch.float32, "tf32", "tma")
     config = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
     TuningCache("NVIDIA H200-sm90", "3.6.0").put("hash1", key, config)
@@ -29,11 +38,13 @@ def test_configs_round_trip_through_the_file(tmp_path, monkeypatch):
     TuningCache("NVIDIA H200-sm90", "3.6.0").put("hash1", (1, 2), other)  # merged, not replaced
     assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("hash1", key) == config
     monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "0")
+    read_tuning_settings()
     assert fresh.get("hash1", key) is None
 
 
 def test_a_corrupt_file_is_ignored(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path))
+    read_tuning_settings()
     cache = TuningCache("gpu", "1")
     cache.path.write_text("{not json")
     assert cache.get("h", (1,)) is None
@@ -44,7 +55,9 @@ def test_a_corrupt_file_is_ignored(tmp_path, monkeypatch, caplog):
 
 def test_default_location_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("MUON_PLUGIN_CACHE_DIR", raising=False)
+    read_tuning_settings()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    read_tuning_settings()
     assert cache_dir() == tmp_path / "muon_plugin"
 
 
@@ -56,7 +69,9 @@ def test_packaged_table_backs_the_local_one(tmp_path, monkeypatch):
     packaged.mkdir()
     monkeypatch.setattr(tuning_cache, "PACKAGED_DIR", packaged)
     monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path / "local"))
+    read_tuning_settings()
     monkeypatch.delenv("MUON_PLUGIN_AUTOTUNE_CACHE", raising=False)
+    read_tuning_settings()
     shipped = {"BLOCK_M": 128, "num_warps": 8}
     table = TuningCache("NVIDIA H200-sm90", "3.6.0")
     (packaged / table.path.name).write_text(
@@ -68,6 +83,7 @@ def test_packaged_table_backs_the_local_one(tmp_path, monkeypatch):
     TuningCache("NVIDIA H200-sm90", "3.6.0").put("h", (1, 2), local)
     assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) == local
     monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "0")
+    read_tuning_settings()
     assert TuningCache("NVIDIA H200-sm90", "3.6.0").get("h", (1, 2)) is None
 
 
@@ -82,7 +98,9 @@ def test_tables_of_the_same_family_back_a_gpu_without_its_own(tmp_path, monkeypa
     packaged.mkdir()
     monkeypatch.setattr(tuning_cache, "PACKAGED_DIR", packaged)
     monkeypatch.setenv("MUON_PLUGIN_CACHE_DIR", str(tmp_path / "local"))
+    read_tuning_settings()
     monkeypatch.delenv("MUON_PLUGIN_AUTOTUNE_CACHE", raising=False)
+    read_tuning_settings()
     h100 = TuningCache("NVIDIA H100 80GB HBM3", "3.6.0", "sm90-132sms")
     assert h100.path.name == "autotune-NVIDIA-H100-80GB-HBM3-sm90-132sms-triton3.6.0.json"
     shipped = {"BLOCK_M": 128, "num_warps": 8}
@@ -105,9 +123,11 @@ def test_tables_of_the_same_family_back_a_gpu_without_its_own(tmp_path, monkeypa
     assert not (packaged / h200().path.name).exists()  # the shipped tables are never written
     gh200 = TuningCache("NVIDIA GH200", "3.6.0", "sm90-132sms")
     monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "own")  # tuning afresh: no shipped table
+    read_tuning_settings()
     assert gh200.get("h", (1, 2)) is None and h100.get("h", (1, 2)) is None
     assert h200().get("h", (1, 2)) == own  # its own table still answers
     monkeypatch.setenv("MUON_PLUGIN_AUTOTUNE_CACHE", "0")
+    read_tuning_settings()
     assert gh200.get("h", (1, 2)) is None
 
 

@@ -3,29 +3,33 @@
 Every rank builds its plan from its own parameter list. When the ranks of a mesh list different
 parameters (another set with gradients, another order, another shape, placement, dtype or
 setting), the plans still line up whenever the sizes happen to match, and matrices get assembled
-from the shards of other matrices: silently wrong updates. So whenever a plan is built, the ranks
-of every multi-rank domain (the ranks of a device mesh, or of the group plain tensors are
-replicated over) compare their lists:
+from the shards of other matrices: silently wrong updates; or they do not, and the all-to-alls
+wait until the collective timeout. So the ranks of every multi-rank domain (the ranks of a
+device mesh, or of the group plain tensors are replicated over) compare their lists:
 
-1. each rank hashes its description of the domain's parameters (name, global shape, dtype, mesh,
-   placements and settings, in order) and the plan settings into a fixed-size digest, and the
-   digests are all-gathered over a process group spanning exactly the domain's ranks;
-2. only when the digests differ are the descriptions themselves all-gathered (as objects), and
+1. :class:`Agreement` (no collective) hashes each rank's description of a domain's parameters
+   (name, global shape, dtype, mesh, placements and settings, in order) and the plan settings
+   into a fixed-size digest; the optimizer keeps it with its cached plan;
+2. :meth:`Agreement.verify` (a collective) reduces the digests over a process group spanning
+   exactly the domain's ranks: one all-reduce of 8 int64 (the max of the digest and of its
+   negation) per rank set, read on the host;
+3. only when the digests differ are the descriptions themselves all-gathered (as objects), and
    every rank derives the same :class:`RankDisagreementError` from the same gathered data,
    naming the first parameter that differs, the ranks and what differs.
 
-Both steps make collectives of the same shape on every rank whatever the disagreement, so a
-mismatch ends in that error and not in a hang. Rank sets are checked in one global order (sorted
-ranks), so ranks on several overlapping meshes cannot wait on each other in a cycle; ranks of
-different pipeline stages, which own different parameters on different meshes, never compare.
-The cost is two small collectives per rank set at plan build only; steps run unchecked.
+The optimizer verifies at every step, before any rank rebuilds its plan: a parameter whose
+gradient is None on some ranks only (the rank's list changes while its peers' does not) then
+ends, on every rank and within the step, in an error naming it, instead of a timeout.
+Both collectives have the same shape on every rank whatever the disagreement. Rank sets are
+checked in one global order (sorted ranks), so ranks on several overlapping meshes cannot wait
+on each other in a cycle; ranks of different pipeline stages, which own different parameters on
+different meshes, never compare. The cost per step is one small all-reduce per rank set and one
+host read of its result (``scripts/bench_comm.py`` measures it: its "rank check" column).
 
-Two cases are beyond a check at plan build and end at the collective timeout instead: a rank
-that has no parameter at all on a mesh its peers use (it cannot know the mesh exists), and a rank
-whose parameter list changes while its peers' does not (it alone rebuilds and checks, while its
-peers run their cached plan).
-Without ``param_names`` the names are positions, so two same-shape parameters swapped within a
-group cannot be told apart.
+One case is beyond the check and ends at the collective timeout instead: a rank that has no
+parameter at all on a mesh its peers use (it cannot know the mesh exists). Without
+``param_names`` the names are positions, so two same-shape parameters swapped within a group
+cannot be told apart.
 """
 
 from __future__ import annotations
@@ -66,6 +70,65 @@ def describe(name: str, p: Tensor, domain: Domain, settings: Any) -> Entry:
     return (name, repr(tuple(p.shape)), str(p.dtype), mesh, placements, repr(settings))
 
 
+class _RankSet:
+    """One domain's rank set: what this rank describes there, and its digest."""
+
+    def __init__(self, ranks: tuple[int, ...], header: str, entries: list[Entry], device) -> None:
+        self.ranks, self.device = ranks, device
+        self.mine = (header, entries)
+        digest = hashlib.sha256(repr(self.mine).encode()).digest()
+        words = torch.frombuffer(bytearray(digest), dtype=torch.int64)
+        # 63-bit words: a word and its negation are both representable.
+        self.words = (words & torch.iinfo(torch.int64).max).to(device)
+
+    def verify(self) -> None:
+        me = self.ranks.index(dist.get_rank())
+        # A group chosen by the rank set alone, so that every member picks the same one.
+        group = process_group(Domain(self.ranks, (len(self.ranks),), me, None))
+        both = torch.cat([self.words, -self.words])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if torch.equal(both[:DIGEST_WORDS], -both[DIGEST_WORDS:]):  # max == min: all agree
+            return
+        described: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(described, self.mine, group=group)
+        group_ranks = dist.get_process_group_ranks(group)
+        raise RankDisagreementError(disagreement_message(group_ranks, described))
+
+
+class Agreement:
+    """What the ranks of each multi-rank domain must agree on, described by this rank.
+
+    ``settings[i]`` is everything about parameter ``i`` beyond its tensor that shapes the plan
+    or the math (its spec and group settings); ``plan_settings`` what shapes the whole plan.
+    Compared by ``repr``. Building it is local; :meth:`verify` is the collective.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        domains: Sequence[Domain],
+        settings: Sequence[Any],
+        plan_settings: Any,
+    ) -> None:
+        entries: dict[tuple[int, ...], list[Entry]] = {}
+        devices: dict[tuple[int, ...], torch.device] = {}
+        for p, name, domain, setting in zip(params, names, domains, settings, strict=True):
+            if domain.size == 1:
+                continue
+            key = tuple(sorted(domain.ranks))
+            entries.setdefault(key, []).append(describe(name, p, domain, setting))
+            devices.setdefault(key, local(p).device)
+        header = repr(plan_settings)
+        self.rank_sets = [_RankSet(k, header, entries[k], devices[k]) for k in sorted(entries)]
+
+    def verify(self) -> None:
+        """Raise :class:`RankDisagreementError` on every rank of a domain whose ranks disagree.
+        Must be called by every rank with its own agreement (a collective)."""
+        for rank_set in self.rank_sets:
+            rank_set.verify()
+
+
 def check_agreement(
     params: Sequence[Tensor],
     names: Sequence[str],
@@ -73,40 +136,8 @@ def check_agreement(
     settings: Sequence[Any],
     plan_settings: Any,
 ) -> None:
-    """Raise :class:`RankDisagreementError` on every rank of a domain whose ranks disagree.
-
-    ``settings[i]`` is everything about parameter ``i`` beyond its tensor that shapes the plan
-    or the math (its spec and group settings); ``plan_settings`` what shapes the whole plan.
-    Compared by ``repr``. Must be called by every rank with its own lists (a collective).
-    """
-    entries: dict[tuple[int, ...], list[Entry]] = {}
-    devices: dict[tuple[int, ...], torch.device] = {}
-    for p, name, domain, setting in zip(params, names, domains, settings, strict=True):
-        if domain.size == 1:
-            continue
-        key = tuple(sorted(domain.ranks))
-        entries.setdefault(key, []).append(describe(name, p, domain, setting))
-        devices.setdefault(key, local(p).device)
-    header = repr(plan_settings)
-    for key in sorted(entries):
-        _check_ranks(key, header, entries[key], devices[key])
-
-
-def _check_ranks(ranks: tuple[int, ...], header: str, entries: list[Entry], device) -> None:
-    # A group chosen by the rank set alone, so that every member picks the same one.
-    me = ranks.index(dist.get_rank())
-    group = process_group(Domain(ranks, (len(ranks),), me, None))
-    mine = (header, entries)
-    digest = hashlib.sha256(repr(mine).encode()).digest()
-    words = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)
-    gathered = [torch.empty_like(words) for _ in ranks]
-    dist.all_gather(gathered, words, group=group)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
-        return
-    described: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(described, mine, group=group)
-    group_ranks = dist.get_process_group_ranks(group)
-    raise RankDisagreementError(disagreement_message(group_ranks, described))
+    """:class:`Agreement` of these lists, verified (a collective)."""
+    Agreement(params, names, domains, settings, plan_settings).verify()
 
 
 def disagreement_message(ranks: Sequence[int], described: Sequence[tuple[str, list[Entry]]]) -> str:

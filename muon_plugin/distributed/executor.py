@@ -14,6 +14,15 @@ every layout, local ones included, so a parameter's update does not depend on ho
 ``run`` returns, for each parameter, its local shard of
 ``orthogonalize_stack(full_direction.to(bf16)[None], spec)[0]``.
 
+**Row normalization** (NorMuon, a spec with ``normalization``): each parameter's per-row state
+(fp32) goes to the owner of its matrix with the shards (the group's ``rows`` companion, as bf16
+words in the same all-to-alls where the rows travel; :mod:`~muon_plugin.distributed.rows`);
+the owner computes the rows' factors of its stack of orthogonalized matrices
+(:func:`~muon_plugin.orthogonalize.normuon.normuon_factors_`), and the updated states and the
+factors go back with the update to every rank holding those rows, where the update step
+multiplies each row by its factor. The factors come from whole matrices only, so the update
+does not depend on the layout either.
+
 **Out dtype**: where the update takes the foreach path (no elementwise Triton kernel), small
 local results come back in the parameter dtype (one cast per stack), so the multi-tensor update
 stays on its single-dtype fast path; the grouped kernel reads bf16 directly.
@@ -29,8 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_plugin.distributed.communicator import Communicator, InFlight, piece, wire_pieces
+from muon_plugin.distributed.communicator import Communicator, InFlight, piece
 from muon_plugin.distributed.planner import ShapeGroup
+from muon_plugin.distributed.rows import RowStates, row_factors, row_words
 from muon_plugin.distributed.schedule import WIRE_DTYPE
 from muon_plugin.kernels.elementwise import FUSED_MIN_NUMEL
 from muon_plugin.orthogonalize import elementwise_kernels_allowed, get_backend, run_path
@@ -59,29 +69,66 @@ class Executor:
         self._side_turns: Counter[torch.device] = Counter()
 
     def run(
-        self, directions: Sequence[Tensor | None], groups: list[ShapeGroup] | None = None
+        self,
+        directions: Sequence[Tensor | None],
+        groups: list[ShapeGroup] | None = None,
+        rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
     ) -> list[Tensor | None]:
         """Per parameter, the local shard (bf16, shaped like its direction) of the update; of
-        the parameters of ``groups`` only when given (a phase of groups without traffic)."""
+        the parameters of ``groups`` only when given (a phase of groups without traffic).
+
+        ``rows``: per parameter of a group with a row normalization, its local per-row state
+        (fp32, :meth:`MatrixSpec.row_shape <muon_plugin.orthogonalize.MatrixSpec.row_shape>`
+        of its local shard), updated in place; None elsewhere. ``factors`` (a list as long as
+        ``directions``) receives, at those parameters' positions, their rows' factors (fp32,
+        shaped like the state): their update is the returned one times these, row by row.
+        """
         self.comm.reset_stats()
         out: list[Tensor | None] = [None] * len(directions)
         groups = self.groups if groups is None else groups
+        normalized = [g for g in groups if g.rows is not None]
+        if normalized and (rows is None or factors is None):
+            raise ValueError(
+                f"{normalized[0].names[0]!r}: its group normalizes rows, but no per-row state "
+                "was given"
+            )
+        states = None if rows is None else RowStates(rows, factors)  # type: ignore[arg-type]
+        words = {id(g): states.words(g) for g in normalized} if states is not None else {}
         gathers: list[InFlight | None] = [None] * len(groups)
-        backs: list[tuple[InFlight | None, Any]] = []
+        backs: list[tuple[InFlight | None, Any, Tensor | None, Tensor | None]] = []
         launched = 0
         for gi, group in enumerate(groups):
             while launched < len(groups) and launched <= gi + GATHERS_AHEAD:
-                gathers[launched] = self.comm.start_gather(groups[launched], directions)
+                later = groups[launched]
+                gathers[launched] = self.comm.start_gather(later, directions, words.get(id(later)))
                 launched += 1
             stack = self._assemble(group, directions, gathers[gi])
+            row_stack = None
+            if states is not None:
+                row_stack = states.assemble(group, words.get(id(group), {}), gathers[gi])
             gathers[gi] = None
             result = self._orthogonalize(group, stack)
-            backs.append((self.comm.start_return(group, result), result))
+            factor_stack = None
+            if group.back_comm:  # no side stream: the result is ready on this stream
+                factor_stack = row_factors(group, result, row_stack)
+            back = self.comm.start_return(
+                group,
+                result,
+                None if row_stack is None else row_words(row_stack),
+                None if factor_stack is None else row_words(factor_stack),
+            )
+            backs.append((back, result, row_stack, factor_stack))
         for streams in self._side_streams.values():  # the graphs' results are read below
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
-        for group, (back, result) in zip(groups, backs, strict=True):
+        for group, (back, result, row_stack, factor_stack) in zip(groups, backs, strict=True):
+            if not group.back_comm:
+                factor_stack = row_factors(group, result, row_stack)
             self._scatter(group, directions, back, result, out)
+            if states is not None:
+                group_words = words.get(id(group), {})
+                states.scatter(group, group_words, back, row_stack, factor_stack)
         return out
 
     def _assemble(
@@ -110,7 +157,7 @@ class Executor:
             pending.work.wait()
             shapes = (shape for _, shape, _ in sched.gather_recv)
             for (slot, _, rects), part in zip(
-                sched.gather_recv, wire_pieces(pending.recv, shapes), strict=True
+                sched.gather_recv, pending.pieces(0, shapes), strict=True
             ):
                 assert stack is not None
                 for unit_sl, piece_sl in rects:
@@ -185,7 +232,7 @@ class Executor:
             single = not group.batch_dims  # one unit per parameter
             shapes = (shape for _, _, shape in sched.back_recv)
             for (k, local_b, _), part in zip(
-                sched.back_recv, wire_pieces(pending.recv, shapes), strict=True
+                sched.back_recv, pending.pieces(0, shapes), strict=True
             ):
                 i = group.indices[k]
                 if single:

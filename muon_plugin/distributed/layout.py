@@ -174,8 +174,29 @@ def shard_order(
 
 def chunk(indices: torch.Tensor, num_chunks: int, i: int) -> torch.Tensor:
     """Chunk ``i`` of ``num_chunks`` of a 1-D tensor, with ``Shard``'s own split semantics."""
+    return chunks(indices, num_chunks)[i]
+
+
+def chunks(indices: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """All ``num_chunks`` chunks of a 1-D tensor (trailing ones may be empty), cut by
+    ``Shard``'s own split (``with_padding=False``)."""
     pieces, _ = Shard(0)._split_tensor(indices, num_chunks, with_padding=False, contiguous=False)
-    return pieces[i]
+    return pieces
+
+
+def _cut(
+    indices: torch.Tensor, order: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> dict[tuple[int, ...], DimIndex]:
+    """The :class:`DimIndex` of every coordinate key (the coordinates on the mesh dims of
+    ``order``, in that order) when those mesh dims cut ``indices`` one after another. Each
+    (sub)range is split once into all of its chunks, so a mesh of N ranks costs O(N) splits."""
+    if not order:
+        return {(): DimIndex(runs_of(indices))}
+    out: dict[tuple[int, ...], DimIndex] = {}
+    for c, piece in enumerate(chunks(indices, mesh_shape[order[0]])):
+        for rest, index in _cut(piece, order[1:], mesh_shape).items():
+            out[(c, *rest)] = index
+    return out
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,13 @@ class Layout:
         return self.linear(tuple(coord))
 
 
+def row_placements(placements: tuple[Placement, ...], row_dims: int) -> tuple[Placement, ...]:
+    """The placements of a parameter's per-row state (one entry per row of each matrix: the
+    parameter's first ``row_dims`` dims): the parameter's, with the mesh dims that cut a later
+    (column) dim replicated, since every rank holding part of a row holds that row's state."""
+    return tuple(p if type(p) is Replicate or p.dim < row_dims else Replicate() for p in placements)
+
+
 @cache
 def layout_of(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
@@ -243,15 +271,6 @@ def layout_of(
     index: list[tuple[DimIndex, ...]] = []
     for d in range(ndim):
         order = orders[d]
-        cache_by_key: dict[tuple[int, ...], DimIndex] = {}
-        per_rank = []
-        for j in range(num_ranks):
-            key = tuple(coords[j][m] for m in order)
-            if key not in cache_by_key:
-                idx = torch.arange(shape[d])
-                for m, c in zip(order, key, strict=True):
-                    idx = chunk(idx, mesh_shape[m], c)
-                cache_by_key[key] = DimIndex(runs_of(idx))
-            per_rank.append(cache_by_key[key])
-        index.append(tuple(per_rank))
+        by_key = _cut(torch.arange(shape[d]), order, tuple(mesh_shape))
+        index.append(tuple(by_key[tuple(coords[j][m] for m in order)] for j in range(num_ranks)))
     return Layout(tuple(shape), tuple(mesh_shape), placements, tuple(index))

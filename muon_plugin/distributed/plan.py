@@ -20,13 +20,14 @@ handle) is in :mod:`~muon_plugin.distributed.validation`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from muon_plugin.distributed.agreement import check_agreement
+from muon_plugin.distributed.agreement import Agreement
 from muon_plugin.distributed.communicator import Communicator
 from muon_plugin.distributed.executor import Executor
 from muon_plugin.distributed.groups import group_domain
@@ -47,9 +48,11 @@ __all__ = [
     "WIRE_BYTES",
     "WIRE_DTYPE",
     "OrthogonalizationPlan",
+    "PreparedPlan",
     "Schedule",
     "ShapeGroup",
     "plan_orthogonalization",
+    "prepare_plan",
     "simulate_plan",
 ]
 
@@ -77,18 +80,28 @@ class OrthogonalizationPlan:
         """Parameter positions a step may take through all three stages one set after another
         (bounding the step's workspace): several sets only where no group communicates."""
 
-    def run(self, directions: Sequence[Tensor | None], phase: int | None = None) -> list[Any]:
+    def run(
+        self,
+        directions: Sequence[Tensor | None],
+        phase: int | None = None,
+        rows: Sequence[Tensor | None] | None = None,
+        factors: list[Tensor | None] | None = None,
+    ) -> list[Any]:
         """Orthogonalize ``directions`` (local shards laid out as their parameters).
 
         Returns, per parameter, the local shard (same shape as the input) of the orthogonalized
         whole matrix, in bf16. Every rank of every domain must call this with the same plan.
         With ``phase``, only the parameters of ``phases[phase]`` (their directions are read,
-        the other entries may be None, and come back None).
+        the other entries may be None, and come back None). ``rows``: the local per-row states
+        (fp32) of the parameters whose spec normalizes rows (NorMuon), updated in place; None
+        for the others. ``factors`` (a list as long as ``directions``, needed with ``rows``)
+        receives those parameters' rows' factors: their update is the returned shard times
+        its rows' factors.
         """
         if self.executor is None:
             raise RuntimeError("a simulated plan (simulate_plan) reports but cannot run")
         groups = None if phase is None else self._phase_groups[phase]
-        out = self.executor.run(directions, groups)
+        out = self.executor.run(directions, groups, rows, factors)
         self.last_stats = dict(self.executor.comm.stats)
         return out
 
@@ -96,6 +109,61 @@ class OrthogonalizationPlan:
         """Per shape group: layout, matrices, matrices/bytes/FLOPs per rank, backend and path
         (see :func:`~muon_plugin.distributed.report.report_rows`)."""
         return report_rows(self.groups)
+
+
+@dataclass(frozen=True)
+class PreparedPlan:
+    """A plan's inputs, checked and placed on this rank, and what the ranks must agree on:
+    everything but the collectives (:func:`prepare_plan`)."""
+
+    layouts: list[ParamLayout]
+    agreement: Agreement
+    """Verify it (a collective) before :meth:`build`, on every rank."""
+    batched: bool
+
+    def build(self) -> OrthogonalizationPlan:
+        """The plan (its process groups are created here: a collective on first use)."""
+        groups = plan_groups(self.layouts, batched=self.batched)
+        return OrthogonalizationPlan(groups, self.batched, Communicator(groups))
+
+
+def prepare_plan(
+    params: Sequence[Tensor],
+    specs: Sequence[MatrixSpec],
+    *,
+    batched: bool = True,
+    names: Sequence[str] | None = None,
+    replicate_group: ProcessGroup | Any | None = None,
+    settings: Sequence[Any] | None = None,
+) -> PreparedPlan:
+    """Check and place ``params`` and describe what the ranks must agree on, without any
+    collective. Arguments and errors as :func:`plan_orthogonalization` (but the ranks'
+    disagreement, which only ``agreement.verify()`` finds)."""
+    params, specs = list(params), list(specs)
+    if len(params) != len(specs):
+        raise ValueError(f"{len(params)} params but {len(specs)} specs")
+    for spec in set(specs):  # before any collective: every rank refuses the same specs
+        validate_backend(spec.backend)
+    names = list(names) if names is not None else [f"#{i}" for i in range(len(params))]
+    replicate_domain = None
+    if replicate_group is not None:
+        replicate_domain = group_domain(replicate_group)
+        if replicate_domain.size == 1:
+            replicate_domain = None
+    placed = [place(p, names[i], replicate_domain) for i, p in enumerate(params)]
+    extra = [None] * len(params) if settings is None else list(settings)
+    agreement = Agreement(
+        params,
+        names,
+        [domain for domain, _ in placed],
+        [(spec, more) for spec, more in zip(specs, extra, strict=True)],
+        {"batched": batched},
+    )
+    layouts = [
+        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, local(p).device, specs[i])
+        for i, (p, (domain, layout)) in enumerate(zip(params, placed, strict=True))
+    ]
+    return PreparedPlan(layouts, agreement, batched)
 
 
 def plan_orthogonalization(
@@ -128,32 +196,12 @@ def plan_orthogonalization(
         RankDisagreementError (a ValueError) on every rank of a mesh whose ranks passed other
         parameters, placements or settings (:mod:`~muon_plugin.distributed.agreement`).
     """
-    params, specs = list(params), list(specs)
-    if len(params) != len(specs):
-        raise ValueError(f"{len(params)} params but {len(specs)} specs")
-    for spec in set(specs):  # before any collective: every rank refuses the same specs
-        validate_backend(spec.backend)
-    names = list(names) if names is not None else [f"#{i}" for i in range(len(params))]
-    replicate_domain = None
-    if replicate_group is not None:
-        replicate_domain = group_domain(replicate_group)
-        if replicate_domain.size == 1:
-            replicate_domain = None
-    placed = [place(p, names[i], replicate_domain) for i, p in enumerate(params)]
-    extra = [None] * len(params) if settings is None else list(settings)
-    check_agreement(
-        params,
-        names,
-        [domain for domain, _ in placed],
-        [(spec, more) for spec, more in zip(specs, extra, strict=True)],
-        {"batched": batched},
-    )
-    layouts = [
-        ParamLayout(names[i], tuple(p.shape), p.dtype, domain, layout, local(p).device, specs[i])
-        for i, (p, (domain, layout)) in enumerate(zip(params, placed, strict=True))
-    ]
-    groups = plan_groups(layouts, batched=batched)
-    return OrthogonalizationPlan(groups, batched, Communicator(groups))
+    prepared = prepare_plan(
+        params, specs, batched=batched, names=names, replicate_group=replicate_group,
+        settings=settings,
+    )  # fmt: skip
+    prepared.agreement.verify()
+    return prepared.build()
 
 
 def simulate_plan(

@@ -16,6 +16,10 @@ Every rank computes the same plan from the parameters' layouts:
 5. Traffic and this rank's schedule (:mod:`~muon_plugin.distributed.schedule`).
 6. The orthogonalization path of this rank's stack, resolved once by the group's backend
    (:func:`muon_plugin.orthogonalize.resolve_path`) and stored on the group.
+7. For a spec with a row normalization (NorMuon), the group's ``rows`` companion: the per-row
+   state (fp32, as two bf16 words per row) laid out like the parameter's rows, with the same
+   units and owners, so that each unit's rows travel to its owner with its shards and back with
+   its update (:func:`row_group`).
 
 :func:`simulated_layouts` describes hypothetical parameters (a mesh of ranks ``0 .. N-1``), so
 reports and benchmarks run this same planner without processes.
@@ -23,6 +27,7 @@ reports and benchmarks run this same planner without processes.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import defaultdict
@@ -33,8 +38,8 @@ from typing import Any
 import torch
 
 from muon_plugin.distributed.groups import Domain
-from muon_plugin.distributed.layout import Layout, LayoutError, layout_of
-from muon_plugin.distributed.schedule import Schedule, schedule_group
+from muon_plugin.distributed.layout import Layout, LayoutError, layout_of, row_placements
+from muon_plugin.distributed.schedule import WIRE_DTYPE, Schedule, schedule_group
 from muon_plugin.orthogonalize import MatrixSpec, ResolvedPath, resolve_path
 
 
@@ -79,6 +84,10 @@ class ShapeGroup:
     gather_comm: bool = False  # does any rank of the domain send anything?
     back_comm: bool = False
     path: ResolvedPath | None = None  # how this rank orthogonalizes its stack of the group
+    rows: ShapeGroup | None = None  # the per-row state's companion (NorMuon), see row_group
+    # A rows companion without traffic: per parameter, (first slot, slots) of its local units
+    # in this rank's stack (it owns all of them, consecutive, in order); (0, 0): none held.
+    local_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -132,8 +141,63 @@ def plan_groups(params: Sequence[ParamLayout], *, batched: bool = True) -> list[
     _assign_owners(plan, holdings)
     for group, held in zip(plan, holdings, strict=True):
         schedule_group(group, held)
+        if group.spec.normalization is not None:
+            group.rows = row_group(group)
         group.path = _resolve(group, batched)
     return plan
+
+
+ROW_WORDS = 2
+"""An fp32 entry of the per-row state travels as two bf16 words (its bits, unchanged)."""
+
+
+def row_group(group: ShapeGroup) -> ShapeGroup:
+    """The companion of ``group`` that moves its per-row state: shape ``(*rows, ROW_WORDS)``
+    (the state viewed as bf16 words), placed like the parameter's rows
+    (:func:`~muon_plugin.distributed.layout.row_placements`), with ``group``'s units and owners.
+
+    Its schedule sends each unit's rows to the owner from one holder and returns the updated
+    rows, and their factors, to every holder, replicas along column shards included; its
+    traffic (the return's twice: states and factors) is added to ``group``'s, whose
+    all-to-alls carry it.
+    """
+    rows_shape = group.spec.row_shape(group.shape)
+    shape = (*rows_shape, ROW_WORDS)
+    placements = row_placements(group.layout.placements, len(rows_shape))
+    layout = layout_of(shape, group.domain.mesh_shape, placements)
+    rows = ShapeGroup(shape, WIRE_DTYPE, group.spec, group.domain, layout, group.device)
+    rows.indices, rows.names = group.indices, group.names
+    rows.unit_dims = (len(shape) - 2, len(shape) - 1)
+    rows.batch_dims = tuple(range(len(shape) - 2))
+    rows.units, rows.owners = group.units, group.owners
+    schedule_group(rows, _group_holdings(rows))
+    rows.back_send_bytes = [2 * n for n in rows.back_send_bytes]  # states and factors
+    rows.back_recv_bytes = [2 * n for n in rows.back_recv_bytes]
+    for name in ("gather_send_bytes", "gather_recv_bytes", "back_send_bytes", "back_recv_bytes"):
+        total = [a + b for a, b in zip(getattr(group, name), getattr(rows, name), strict=True)]
+        setattr(group, name, total)
+    group.gather_comm = group.gather_comm or rows.gather_comm
+    group.back_comm = group.back_comm or rows.back_comm
+    if not (rows.gather_comm or rows.back_comm):
+        rows.local_slots = _local_slots(rows)
+    return rows
+
+
+def _local_slots(rows: ShapeGroup) -> list[tuple[int, int]]:
+    """``(first slot, slots)`` per parameter of a companion whose units are all owned where
+    they are held: unit order keeps each parameter's local units consecutive and in order."""
+    direct = rows.schedule.direct
+    if direct is None:
+        raise ValueError(f"internal error: the rows of {rows.names[0]!r} need traffic")
+    taken: list[list[int]] = [[] for _ in rows.indices]
+    for slot, (k, _) in enumerate(direct):
+        taken[k].append(slot)
+    out = []
+    for k, slots in enumerate(taken):
+        if slots and slots != list(range(slots[0], slots[0] + len(slots))):
+            raise ValueError(f"internal error: the rows of {rows.names[k]!r} are not consecutive")
+        out.append((slots[0], len(slots)) if slots else (0, 0))
+    return out
 
 
 def local_phases(groups: Sequence[ShapeGroup]) -> list[list[ShapeGroup]]:
@@ -201,45 +265,75 @@ def _make_units(group: ShapeGroup) -> None:
     group.units = [(k, b) for k in range(len(group.indices)) for b in batch]
 
 
-def _holdings(group: ShapeGroup, b: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], int]]:
-    """``(linear rank, local batch index, piece numel)`` of each rank holding part of unit ``b``."""
-    layout = group.layout
-    out = []
+def _group_holdings(group: ShapeGroup) -> dict[tuple[int, ...], list]:
+    """Per batch index of the group's units, ``(linear rank, local batch index, piece numel)``
+    of each rank holding part of that unit, ranks ascending. Built rank by rank from the batch
+    indices each rank holds, so it costs the size of its result (not units x ranks)."""
+    out: dict[tuple[int, ...], list] = {b: [] for _, b in group.units}
+    if not out:
+        return out
+    index = group.layout.index
     for j in range(group.domain.size):
         numel = 1
         for d in group.unit_dims:
-            numel *= layout.index[d][j].size
+            numel *= index[d][j].size
         if numel == 0:
             continue
-        local_b = []
-        for d, bd in zip(group.batch_dims, b, strict=True):
-            pos = layout.index[d][j].position(bd)
-            if pos is None:
-                break
-            local_b.append(pos)
-        else:
-            out.append((j, tuple(local_b), numel))
+        held_per_dim = [
+            [(g + i, pos + i) for g, pos, n in index[d][j].local_runs() for i in range(n)]
+            for d in group.batch_dims
+        ]
+        for combo in itertools.product(*held_per_dim):
+            held = out.get(tuple(g for g, _ in combo))
+            if held is not None:
+                held.append((j, tuple(pos for _, pos in combo), numel))
     return out
 
 
-def _group_holdings(group: ShapeGroup) -> dict[tuple[int, ...], list]:
-    cache: dict[tuple[int, ...], list] = {}
-    for _, b in group.units:
-        if b not in cache:
-            cache[b] = _holdings(group, b)
-    return cache
+class _Loads:
+    """Estimated FLOPs given to each (global) rank so far, and for each order of a rank set
+    (a domain's ``ranks``) a lazy heap of ``(load, linear index)``: every change pushes a
+    fresh entry, and entries whose load is out of date are dropped when they surface."""
+
+    def __init__(self) -> None:
+        self.load: dict[int, float] = defaultdict(float)
+        self._heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}
+        self._linear: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def add(self, rank: int, flops: float) -> None:
+        self.load[rank] += flops
+        for ranks, heap in self._heaps.items():
+            heapq.heappush(heap, (self.load[rank], self._linear[ranks][rank]))
+
+    def least_loaded(self, ranks: tuple[int, ...]) -> tuple[float, int]:
+        """``(load, j)`` of the least-loaded linear index ``j`` of ``ranks`` (ties: smallest)."""
+        heap = self._heaps.get(ranks)
+        if heap is None:
+            heap = [(self.load[r], j) for j, r in enumerate(ranks)]
+            heapq.heapify(heap)
+            self._heaps[ranks] = heap
+            self._linear[ranks] = {r: j for j, r in enumerate(ranks)}
+        while heap[0][0] != self.load[ranks[heap[0][1]]]:
+            heapq.heappop(heap)  # out of date: a fresher entry exists
+        return heap[0]
 
 
-def _candidates(
-    group: ShapeGroup, held: list[tuple[int, tuple[int, ...], int]]
-) -> list[tuple[int, int]]:
-    """``(linear rank, numel it holds)`` of the ranks that may own a unit held as ``held``."""
-    unit_numel = math.prod(group.unit_shape)
-    whole = [j for j, _, n in held if n == unit_numel]
+def _owner(group: ShapeGroup, held: list, whole: list[int], loads: _Loads) -> int:
+    """The linear rank that gets a unit held as ``held``: among the ranks holding all of it
+    (``whole``) when there are any, else among all ranks of the mesh, the least loaded; ties
+    go to the rank holding the most of it, then to the smallest index."""
+    ranks, load = group.domain.ranks, loads.load
     if whole:
-        return [(j, unit_numel) for j in whole]
-    held_by = {j: n for j, _, n in held}
-    return [(j, held_by.get(j, 0)) for j in range(group.domain.size)]
+        return min(whole, key=lambda j: (load[ranks[j]], j))
+    best = min(((load[ranks[j]], -n, j) for j, _, n in held), default=None)
+    if len(held) < len(ranks):
+        # A rank holding nothing wins only if it is the least loaded of all; when the least
+        # loaded rank holds a piece, ``best`` (holders first on equal load) is the answer.
+        least, j = loads.least_loaded(ranks)
+        if best is None or (least, 0, j) < best:
+            return j
+    assert best is not None
+    return best[2]
 
 
 def _assign_owners(groups: list[ShapeGroup], holdings: list[dict]) -> None:
@@ -247,25 +341,30 @@ def _assign_owners(groups: list[ShapeGroup], holdings: list[dict]) -> None:
 
     Units of domains over the same set of ranks are balanced together; every rank of such a set
     knows all of its units, so every rank computes the same owners. (Balancing across
-    overlapping but different rank sets would need knowledge some ranks do not have.)
+    overlapping but different rank sets would need knowledge some ranks do not have.) Units
+    only one rank can take go first; the others in order of decreasing FLOPs.
     """
     by_ranks: dict[frozenset[int], list[int]] = defaultdict(list)
     for gi, g in enumerate(groups):
         by_ranks[frozenset(g.domain.ranks)].append(gi)
     for members in by_ranks.values():
-        load: dict[int, float] = defaultdict(float)
+        loads = _Loads()
+        whole: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         fixed, free = [], []
         for order, gi in enumerate(members):
             g = groups[gi]
             g.owners = [-1] * len(g.units)
+            unit_numel = math.prod(g.unit_shape)
+            for b, held in holdings[gi].items():
+                whole[gi, b] = [j for j, _, n in held if n == unit_numel]
             for ui, (_, b) in enumerate(g.units):
-                candidates = _candidates(g, holdings[gi][b])
-                entry = (g.unit_flops, order, ui, candidates)
-                (fixed if len(candidates) == 1 else free).append(entry)
+                candidates = len(whole[gi, b]) or g.domain.size
+                (fixed if candidates == 1 else free).append((g.unit_flops, order, ui))
         free.sort(key=lambda e: (-e[0], e[1], e[2]))
-        for flops, order, ui, candidates in fixed + free:
-            g = groups[members[order]]
-            ranks = g.domain.ranks
-            j, _ = min(candidates, key=lambda c: (load[ranks[c[0]]], -c[1], c[0]))
+        for flops, order, ui in fixed + free:
+            gi = members[order]
+            g = groups[gi]
+            b = g.units[ui][1]
+            j = _owner(g, holdings[gi][b], whole[gi, b], loads)
             g.owners[ui] = j
-            load[ranks[j]] += flops
+            loads.add(g.domain.ranks[j], flops)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from muon_plugin.distributed.layout import describe_placements
 from muon_plugin.distributed.planner import ShapeGroup
+from muon_plugin.distributed.schedule import WIRE_BYTES
 
 
 def report_rows(groups: Sequence[ShapeGroup]) -> list[dict[str, Any]]:
@@ -17,6 +19,10 @@ def report_rows(groups: Sequence[ShapeGroup]) -> list[dict[str, Any]]:
     Bytes count both directions of a step (shards to their owners, results back).
     ``backend`` and ``path`` say how this rank orthogonalizes its stack of the group (the
     backend's name and its resolved path, e.g. ``"gram, triton(tma), graph"``).
+    ``normalization`` is ``"normuon"`` for a group whose rows are normalized (else ``"none"``);
+    then ``row_state_bytes_per_rank`` counts the fp32 per-row second moments each rank holds
+    for the group's parameters and ``row_send_bytes_per_rank`` the part of the sent bytes that
+    carries them (both 0 without normalization).
     """
     rows = []
     for g in groups:
@@ -43,9 +49,29 @@ def report_rows(groups: Sequence[ShapeGroup]) -> list[dict[str, Any]]:
                 "collectives": int(g.gather_comm) + int(g.back_comm),
                 "backend": g.path.backend if g.path else g.spec.backend,
                 "path": g.path.describe() if g.path else "",
+                "normalization": "none" if g.rows is None else "normuon",
+                "row_state_bytes_per_rank": _row_state_bytes(g),
+                "row_send_bytes_per_rank": _row_send_bytes(g),
             }
         )
     return rows
+
+
+def _row_state_bytes(g: ShapeGroup) -> list[int]:
+    """Bytes of the per-row states each rank holds for ``g``'s parameters (its rows companion's
+    local pieces, replicas included)."""
+    if g.rows is None:
+        return [0] * g.domain.size
+    layout = g.rows.layout
+    per_param = [math.prod(layout.local_shape(j)) * WIRE_BYTES for j in range(g.domain.size)]
+    return [n * len(g.indices) for n in per_param]
+
+
+def _row_send_bytes(g: ShapeGroup) -> list[int]:
+    if g.rows is None:
+        return [0] * g.domain.size
+    r = g.rows
+    return [a + b for a, b in zip(r.gather_send_bytes, r.back_send_bytes, strict=True)]
 
 
 def format_bytes(n: float) -> str:
@@ -110,9 +136,30 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         f"sent {format_bytes(min(sends))}-{format_bytes(max(sends))}, "
         f"collectives {sum(row.get('collectives', 0) for row in rows)}"
     )
+    normalized = [row for row in rows if row.get("normalization", "none") != "none"]
+    if normalized:
+        state = _per_rank_sum(normalized, "row_state_bytes_per_rank")
+        sent = _per_rank_sum(normalized, "row_send_bytes_per_rank")
+        lines.append(
+            f"normuon second moments: {len(normalized)} group(s), "
+            f"{format_bytes(min(state))}-{format_bytes(max(state))} held per rank, "
+            f"{format_bytes(max(sent))} of the max sent"
+        )
     return "\n".join(lines)
+
+
+def _per_rank_sum(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """``key``'s per-rank lists summed per global rank over ``rows``."""
+    out: dict[int, float] = defaultdict(float)
+    for row in rows:
+        ranks = row.get("ranks") or list(range(len(row[key])))
+        for j, rank in enumerate(ranks):
+            out[rank] += row[key][j]
+    return list(out.values())
 
 
 def _backend(row: dict[str, Any]) -> str:
     backend, path = row.get("backend", "-"), row.get("path", "")
-    return f"{backend}: {path}" if path and path != backend else backend
+    text = f"{backend}: {path}" if path and path != backend else backend
+    normalization = row.get("normalization", "none")
+    return text if normalization == "none" else f"{text} + {normalization}"

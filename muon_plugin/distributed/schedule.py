@@ -91,82 +91,107 @@ def _piece_shape(exchange: str, item: tuple) -> tuple[int, ...]:
 
 
 class _Builder:
-    """Walks a group's units once: per-rank traffic and FLOPs, and this rank's schedule."""
+    """Walks a group's units once: per-rank traffic and FLOPs, and this rank's schedule.
+
+    Traffic is counted per batch index, not per (unit, holder) pair: each holder of a batch
+    index sends its piece to the owner of every unit there whose ``Replicate`` coordinates
+    equal its own, and receives its piece of every unit's result, except from itself. So a
+    group costs O(units + holdings), not O(units x holders), at thousands of ranks; only this
+    rank's own items are listed unit by unit.
+    """
 
     def __init__(self, group: ShapeGroup, holdings: dict[tuple[int, ...], list]) -> None:
         self.group, self.holdings = group, holdings
         self.layout, self.me = group.layout, group.domain.me
         n = group.domain.size
         self.bytes = {name: [0] * n for name in EXCHANGES}
-        self.piece_shape = {
-            j: tuple(self.layout.index[d][j].size for d in group.unit_dims) for j in range(n)
-        }
+        self.unit_numel = math.prod(group.unit_shape)
+        replicate_dims = self.layout.replicate_mesh_dims
+        # Each rank's coordinates on the Replicate mesh dims: a shard is sent by the replica
+        # whose coordinates there equal the owner's (Layout.sender_for).
+        self.replica = [
+            tuple(self.layout.coordinate(j)[m] for m in replicate_dims) if replicate_dims else ()
+            for j in range(n)
+        ]
         self.sched = Schedule(by_peer={name: defaultdict(list) for name in EXCHANGES})
         self.slot_of: dict[int, int] = {}
         self._rects: dict[int, tuple[Rect, ...]] = {}
+        self._piece_shapes: dict[int, tuple[int, ...]] = {}
+        # Per batch index: numel held per rank, its sum per replica class and in all, this
+        # rank's own piece, and (filled by ``unit``) the units there and their owners' classes.
+        self.held = {b: {j: numel for j, _, numel in hs} for b, hs in holdings.items()}
+        self.total = {b: sum(held.values()) for b, held in self.held.items()}
+        self.by_replica: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
+        for b, hs in holdings.items():
+            sums: dict[tuple[int, ...], int] = defaultdict(int)
+            for j, _, numel in hs:
+                sums[self.replica[j]] += numel
+            self.by_replica[b] = sums
+        self.mine = {b: lb for b, hs in holdings.items() for j, lb, _ in hs if j == self.me}
+        self.units_at: dict[tuple[int, ...], int] = defaultdict(int)
+        self.owner_replicas: dict[tuple[int, ...], dict] = defaultdict(lambda: defaultdict(int))
 
     def rects(self, j: int) -> tuple[Rect, ...]:
         if j not in self._rects:
             self._rects[j] = _rects(self.layout, j, self.group.unit_dims)
         return self._rects[j]
 
+    def piece_shape(self, j: int) -> tuple[int, ...]:
+        if j not in self._piece_shapes:
+            index = self.layout.index
+            self._piece_shapes[j] = tuple(index[d][j].size for d in self.group.unit_dims)
+        return self._piece_shapes[j]
+
     def unit(self, u: int, k: int, b: tuple[int, ...]) -> None:
-        group, o = self.group, self.group.owners[u]
+        group, o, me = self.group, self.group.owners[u], self.me
         group.matrices_per_rank[o] += 1
         group.flops_per_rank[o] += group.unit_flops
-        if o == self.me:
+        if o == me:
             self.slot_of[u] = len(self.sched.slots)
             self.sched.slots.append(u)
-        covered = 0
-        for j, local_b, numel in self.holdings[b]:
-            if self.layout.sender_for(j, o) == j:  # one replica of each shard sends it
-                covered += numel
-                self.gather(u, k, j, o, local_b, numel)
-            self.back(u, k, j, o, local_b, numel)
-        if covered != math.prod(group.unit_shape):
+        replica = self.replica[o]
+        covered = self.by_replica[b][replica]  # what the senders to this owner hold
+        if covered != self.unit_numel:
             raise ValueError(
                 f"internal error: shards of {group.names[k]!r} (placements "
                 f"{describe_placements(self.layout.placements)}, mesh "
                 f"{group.domain.mesh_shape}) cover {covered} of "
-                f"{math.prod(group.unit_shape)} elements of a matrix"
+                f"{self.unit_numel} elements of a matrix"
             )
-
-    def gather(self, u: int, k: int, j: int, o: int, local_b: tuple, numel: int) -> None:
-        """Holder ``j``'s piece of unit ``u`` travels to its owner ``o``."""
-        self.exchange("gather_send", "gather_recv", self.sched.gather_self, u, k, j, o, local_b,
-                      numel)  # fmt: skip
-
-    def back(self, u: int, k: int, j: int, o: int, local_b: tuple, numel: int) -> None:
-        """The owner ``o`` returns holder ``j``'s piece of unit ``u``'s result."""
-        self.exchange("back_recv", "back_send", self.sched.back_self, u, k, j, o, local_b, numel)
-
-    def exchange(
-        self,
-        holder_side: str,
-        owner_side: str,
-        on_self: list,
-        u: int,
-        k: int,
-        j: int,
-        o: int,
-        local_b: tuple,
-        numel: int,
-    ) -> None:
-        """One piece between holder ``j`` and owner ``o``: a local copy when they are the same
-        rank, else the bytes of both sides and, on this rank, the item of its side
-        (``(k, local batch index, piece shape)`` for the holder, ``(slot, piece shape, rects)``
-        for the owner)."""
-        if j == o:
-            if o == self.me:
-                on_self.append((self.slot_of[u], k, local_b, self.rects(j)))
-            return
-        self.bytes[holder_side][j] += numel * WIRE_BYTES
-        self.bytes[owner_side][o] += numel * WIRE_BYTES
+        self.units_at[b] += 1
+        self.owner_replicas[b][replica] += 1
+        own = self.held[b].get(o, 0)  # the owner's own piece travels nowhere
+        traffic = self.bytes
+        traffic["gather_recv"][o] += (covered - own) * WIRE_BYTES
+        traffic["back_send"][o] += (self.total[b] - own) * WIRE_BYTES
+        traffic["gather_send"][o] -= own * WIRE_BYTES  # counted for every holder in finish()
+        traffic["back_recv"][o] -= own * WIRE_BYTES
         peers = self.sched.by_peer
-        if j == self.me:
-            peers[holder_side][o].append((k, local_b, self.piece_shape[j]))
-        if o == self.me:
-            peers[owner_side][j].append((self.slot_of[u], self.piece_shape[j], self.rects(j)))
+        if o == me:
+            slot = self.slot_of[u]
+            for j, local_b, _ in self.holdings[b]:
+                if j == o:
+                    self.sched.gather_self.append((slot, k, local_b, self.rects(j)))
+                    self.sched.back_self.append((slot, k, local_b, self.rects(j)))
+                    continue
+                item = (slot, self.piece_shape(j), self.rects(j))
+                if self.replica[j] == replica:
+                    peers["gather_recv"][j].append(item)
+                peers["back_send"][j].append(item)
+        elif b in self.mine:
+            item = (k, self.mine[b], self.piece_shape(me))
+            if self.replica[me] == replica:
+                peers["gather_send"][o].append(item)
+            peers["back_recv"][o].append(item)
+
+    def finish(self) -> None:
+        """The holders' side of the traffic, per batch index (see ``unit``)."""
+        traffic = self.bytes
+        for b, hs in self.holdings.items():
+            units, owners = self.units_at.get(b, 0), self.owner_replicas.get(b, {})
+            for j, _, numel in hs:
+                traffic["gather_send"][j] += numel * WIRE_BYTES * owners.get(self.replica[j], 0)
+                traffic["back_recv"][j] += numel * WIRE_BYTES * units
 
 
 def schedule_group(group: ShapeGroup, holdings: dict[tuple[int, ...], list]) -> None:
@@ -177,6 +202,7 @@ def schedule_group(group: ShapeGroup, holdings: dict[tuple[int, ...], list]) -> 
     builder = _Builder(group, holdings)
     for u, (k, b) in enumerate(group.units):
         builder.unit(u, k, b)
+    builder.finish()
     traffic = builder.bytes
     group.gather_send_bytes, group.gather_recv_bytes = (
         traffic["gather_send"],

@@ -41,6 +41,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # Rows of the int64 meta table, one per tensor of the list (built by ``_tables``):
 #   momentum:       grad address, buffer address, numel, first tile, direction offset
 #   decay + update: param address, update address, numel, first tile
+#                   (row factors: + factors address, row length)
 #   int8 momentum:  grad address, codes address, numel, first tile, direction offset,
 #                   scales address (``_quantized_triton``)
 
@@ -120,16 +121,20 @@ def _decay_update_tile(
     neg_lr,
     neg_decay,
     scale,
+    f_ptrs,
     mask,
     P_TY: tl.constexpr,
     PROD_TY: tl.constexpr,
     MODE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     # Foreach math, each op rounded to the param dtype as the foreach ops do. MODE 2 (cautious):
     # p.addcmul_(p, clamp_min(sign(u*p), 0), value=-lr*wd); MODE 1: p.mul_(1 - lr*wd);
-    # MODE 0: no decay. Then p.add_(u, alpha=-lr).
+    # MODE 0: no decay. Then p.add_(u, alpha=-lr). ROW_SCALE: u = u.float() * factor of its row.
     p = tl.load(p_ptrs, mask=mask).to(tl.float32)
     u = tl.load(u_ptrs, mask=mask).to(tl.float32)
+    if ROW_SCALE:
+        u = u * tl.load(f_ptrs, mask=mask)
     if MODE == 2:
         agree = (u * p).to(PROD_TY).to(tl.float32) > 0  # the foreach product has that dtype
         p = tl.where(agree, tl.fma(neg_decay, p, p), p).to(P_TY).to(tl.float32)
@@ -150,9 +155,10 @@ def _grouped_decay_update_kernel(
     PROD_TY: tl.constexpr,
     ALIGNED: tl.constexpr,
     MODE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, n, start = _program_tile(meta_ptr, tiles_ptr, 4, BLOCK)
+    row, n, start = _program_tile(meta_ptr, tiles_ptr, 6 if ROW_SCALE else 4, BLOCK)
     p_addr = tl.load(row)
     u_addr = tl.load(row + 1)
     p_base = p_addr.to(tl.pointer_type(P_TY))
@@ -163,10 +169,19 @@ def _grouped_decay_update_kernel(
     offs = start + tl.arange(0, BLOCK)
     p_ptrs = p_base + offs
     u_ptrs = u_base + offs
+    f_ptrs = u_ptrs  # unused without ROW_SCALE
+    if ROW_SCALE:  # one factor per row of row_len consecutive elements
+        f_base = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        f_ptrs = f_base + offs // tl.load(row + 5)
     if start + BLOCK <= n:
-        _decay_update_tile(p_ptrs, u_ptrs, neg_lr, neg_decay, scale, None, P_TY, PROD_TY, MODE)
+        _decay_update_tile(
+            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, None, P_TY, PROD_TY, MODE, ROW_SCALE
+        )
     else:
-        _decay_update_tile(p_ptrs, u_ptrs, neg_lr, neg_decay, scale, offs < n, P_TY, PROD_TY, MODE)
+        _decay_update_tile(
+            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, offs < n, P_TY, PROD_TY, MODE,
+            ROW_SCALE,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- tables
@@ -254,11 +269,13 @@ def _tables(
     b: Sequence[torch.Tensor],
     with_dir: bool,
     extra: Sequence[torch.Tensor] = (),
+    row_lengths: Sequence[int] = (),
 ) -> tuple[_Layout, torch.Tensor, bool]:
     """The cached (layout, meta table, all pointers 16-byte aligned) of a list pair.
 
     ``extra``: one more tensor per entry whose address ends each row (the int8 kernel's
-    scales). The meta table is keyed on everything it encodes (device, dtypes, shapes, data
+    scales; the decay-update kernel's row factors, then followed by ``row_lengths``, its rows'
+    lengths). The meta table is keyed on everything it encodes (device, dtypes, shapes, data
     pointers) plus the stream: tables are only used on the stream that copied them in (and
     whose pool frees them), so a list whose pointers moved always gets fresh tables.
     """
@@ -269,7 +286,11 @@ def _tables(
     a_ptrs = tuple(map(torch.Tensor.data_ptr, a))
     b_ptrs = tuple(map(torch.Tensor.data_ptr, b))
     x_ptrs = tuple(map(torch.Tensor.data_ptr, extra))
-    key = (device, stream, with_dir, a[0].dtype, b[0].dtype, shapes, a_ptrs, b_ptrs, x_ptrs)
+    row_lengths = tuple(row_lengths)
+    key = (
+        device, stream, with_dir, a[0].dtype, b[0].dtype, shapes, a_ptrs, b_ptrs, x_ptrs,
+        row_lengths,
+    )  # fmt: skip
 
     def build() -> tuple[torch.Tensor, bool]:
         numels = [s.numel() for s in shapes]
@@ -278,8 +299,12 @@ def _tables(
             cols.append(layout.dir_offset)
         if x_ptrs:
             cols.append(x_ptrs)
+        if row_lengths:
+            cols.append(row_lengths)
         meta = torch.tensor(list(zip(*cols, strict=True)), dtype=torch.int64).reshape(-1)
-        aligned = all(p % _ALIGN == 0 for p in a_ptrs + b_ptrs + x_ptrs)
+        # Row factors are read one per row (no vector loads): their alignment does not matter.
+        checked = a_ptrs + b_ptrs + (() if row_lengths else x_ptrs)
+        aligned = all(p % _ALIGN == 0 for p in checked)
         return _to_device(meta, device), aligned
 
     meta, aligned = _pointer_tables.get_or_build(key, build)
@@ -330,17 +355,30 @@ def grouped_decay_update(
     lr: float,
     weight_decay: float,
     cautious: bool,
+    factors: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One launch: decay (cautious or not) and ``p -= lr * u`` for every pair, in place.
 
     The lists hold contiguous tensors of one device, one param dtype and one update dtype.
+    ``factors``: per pair, contiguous fp32 factors, one per row of the update (its
+    ``numel() // f.numel()`` consecutive elements): ``u`` is the update times its row's factor.
     """
     if not params:
         return
-    layout, meta, aligned = _tables(params, updates, with_dir=False)
+    lengths: list[int] = []
+    if factors is not None:
+        for u, f in zip(updates, factors, strict=True):
+            if f.dtype != torch.float32 or not f.is_contiguous() or u.numel() % max(1, f.numel()):
+                raise ValueError(f"row factors {tuple(f.shape)} ({f.dtype}) for {tuple(u.shape)}")
+            lengths.append(u.numel() // f.numel() if f.numel() else 1)
+    layout, meta, aligned = _tables(
+        params, updates, with_dir=False, extra=factors or (), row_lengths=lengths
+    )
     if not layout.n_tiles:
         return
     p_dtype, u_dtype = params[0].dtype, updates[0].dtype
+    if factors is not None:
+        u_dtype = torch.promote_types(u_dtype, torch.float32)  # the scaled update is fp32
     mode = 0 if weight_decay == 0.0 or lr == 0.0 else (2 if cautious else 1)
     _grouped_decay_update_kernel[(layout.n_tiles,)](
         meta,
@@ -349,9 +387,10 @@ def grouped_decay_update(
         -lr * weight_decay,
         1.0 - lr * weight_decay,
         P_TY=_TL_DTYPES[p_dtype],
-        U_TY=_TL_DTYPES[u_dtype],
+        U_TY=_TL_DTYPES[updates[0].dtype],
         PROD_TY=_TL_DTYPES[torch.promote_types(p_dtype, u_dtype)],
         ALIGNED=aligned,
         MODE=mode,
+        ROW_SCALE=factors is not None,
         BLOCK=BLOCK,
     )

@@ -3,8 +3,9 @@
 One program scales one block of one matrix of a contiguous batch in place. The factor is read
 per matrix and rounded to the batch's dtype first, then each element is multiplied in fp32 and
 rounded once: what ``X.mul_(factor.to(X.dtype))`` computes, so results are bit for bit torch's.
-In ``PRESCALE`` mode the factor is derived from the matrix's max-abs instead, and a matrix with
-factor 1 is masked out entirely (no loads or stores).
+In ``PRESCALE`` mode the factor is derived from the matrix's max-abs instead (a power of two for
+a max-abs above ``above`` or below ``below`` and not zero, its exponent at most ``max_exp``),
+and a matrix with factor 1 is masked out entirely (no loads or stores).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def _scale_matrices_kernel(
     x_ptr,
     f_ptr,
     per_matrix,
+    below,
     above,
+    max_exp,
     X_TY: tl.constexpr,
     PRESCALE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -35,9 +38,10 @@ def _scale_matrices_kernel(
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     end = per_matrix
     if PRESCALE:
-        big = f > above  # f is the max-abs here: a power of two brings it into [1, 2)
-        f = tl.where(big, tl.exp2(-tl.floor(tl.log2(f))), 1.0)
-        end = tl.where(big, per_matrix, 0)  # a matrix left as it is is not touched
+        # f is the max-abs here: a power of two brings it into [1, 2)
+        scaled = (f > above) | ((f < below) & (f > 0.0))
+        f = tl.where(scaled, tl.exp2(tl.minimum(-tl.floor(tl.log2(f)), max_exp)), 1.0)
+        end = tl.where(scaled, per_matrix, 0)  # a matrix left as it is is not touched
     mask = offs < end
     f = f.to(X_TY).to(tl.float32)
     base = x_ptr + b.to(tl.int64) * per_matrix
@@ -57,10 +61,15 @@ def launchable(X: torch.Tensor) -> bool:
     )
 
 
-def scale_matrices_(X: torch.Tensor, values: torch.Tensor, prescale_above: float | None) -> None:
+def scale_matrices_(
+    X: torch.Tensor,
+    values: torch.Tensor,
+    band: tuple[float, float] | None,
+    max_exp: int,
+) -> None:
     """Per matrix ``b`` of ``X`` (``B, ...``): ``X[b] *= values[b]`` (rounded to X's dtype), or,
-    with ``prescale_above``, ``X[b] *= 2^-floor(log2(values[b]))`` where ``values[b]`` (its
-    max-abs) exceeds it."""
+    with ``band = (below, above)``, ``X[b] *= 2^min(-floor(log2(values[b])), max_exp)`` where
+    ``values[b]`` (its max-abs) exceeds ``above`` or is below ``below`` and not zero."""
     batch = X.shape[0]
     per_matrix = X.numel() // batch
     grid = (triton.cdiv(per_matrix, BLOCK), batch)
@@ -68,8 +77,10 @@ def scale_matrices_(X: torch.Tensor, values: torch.Tensor, prescale_above: float
         X,
         values.reshape(batch),
         per_matrix,
-        0.0 if prescale_above is None else float(prescale_above),
+        0.0 if band is None else float(band[0]),
+        0.0 if band is None else float(band[1]),
+        float(max_exp),
         X_TY=_TL_DTYPES[X.dtype],
-        PRESCALE=prescale_above is not None,
+        PRESCALE=band is not None,
         BLOCK=BLOCK,
     )

@@ -4,9 +4,10 @@
 kernels need one each, and one launch covers a whole list of tensors of any sizes (like
 ``multi_tensor_apply``): momentum reads grad and buffer and writes buffer and a bf16 direction
 (14 bytes per element for fp32 state), decay + update reads param and update and writes param
-(10 bytes with a bf16 update). They follow the foreach ops' formulas and roundings and agree
-with them to within about an ulp (see :mod:`muon_plugin.functional`); only the direction comes
-back in bf16, the dtype the orthogonalization runs in anyway.
+(10 bytes with a bf16 update; NorMuon's per-row factors add next to nothing). They follow the
+foreach ops' formulas and roundings and agree with them to within about an ulp (see
+:mod:`muon_plugin.functional`); only the direction comes back in bf16, the dtype the
+orthogonalization runs in anyway.
 
 :func:`kernel_groups` picks the pairs the kernels take (contiguous CUDA tensors of fp32, bf16
 or fp16, with Triton enabled) and splits them into same-device, same-dtype sub-lists, one launch
@@ -135,9 +136,14 @@ def grouped_decay_update(
     lr: float,
     weight_decay: float,
     cautious: bool,
+    factors: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``p <- p - lr*wd*p`` (cautious: only where ``u*p > 0``), then ``p <- p - lr*u``, in place.
 
-    One launch for the whole list; one group of :func:`kernel_groups` (params first).
+    One launch for the whole list; one group of :func:`kernel_groups` (params first). With
+    ``factors`` (NorMuon's rows' factors: per pair a contiguous fp32 tensor with one entry per
+    row of ``u``, i.e. per ``u.numel() // f.numel()`` consecutive elements), ``u`` is
+    ``update * factor`` in fp32, as :func:`muon_plugin.orthogonalize.normuon.scale_rows`
+    computes it.
     """
-    _module().grouped_decay_update(params, updates, lr, weight_decay, cautious)
+    _module().grouped_decay_update(params, updates, lr, weight_decay, cautious, factors)

@@ -32,6 +32,11 @@ def _module() -> ModuleType:
     return _quantized_triton
 
 
+# Triton's interpreter (TRITON_INTERPRET=1, read at import, as Triton itself does) runs the
+# kernels on CPU tensors.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def int8_kernel_applies(
     codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, enabled: bool | None = None
 ) -> bool:
@@ -47,7 +52,7 @@ def int8_kernel_applies(
         return False
     block = n // n_blocks
     return (
-        (codes.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        (codes.is_cuda or _INTERPRETED)
         and grad.get_device() == codes.get_device() == scales.get_device()
         and grad.dtype in KERNEL_DTYPES
         and scales.dtype == torch.float32

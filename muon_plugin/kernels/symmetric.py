@@ -66,9 +66,13 @@ def upper_tile_count(m: int, block_m: int, block_n: int) -> int:
     return (block_n // block_m) * t * (t + 1) // 2
 
 
-# The kernel's programs: 128 x 128 upper-triangle tiles, two resident per SM of an H200.
+# The kernel's programs: 128 x 128 upper-triangle tiles, two resident per SM: the region pays
+# where they fill the GPU (min_tiles: twice its SM count).
 _TILE = 128
-_MIN_TILES = 2 * 132
+_PROGRAMS_PER_SM = 2
+# The SM count of the GPUs the region was measured on (H100 / H200 SXM): the rule's answer
+# where no GPU is there to ask (a plan resolved for a CPU device, the tests).
+REFERENCE_SMS = 132
 # Tiles times reduction length below which cuBLAS wins (launch cost, short main loops).
 _MIN_TILE_WORK = 2**20
 # Inside a CUDA graph the kernel takes the products from this m up (see use_symmetric_kernel;
@@ -76,7 +80,18 @@ _MIN_TILE_WORK = 2**20
 GRAPHED_MIN_M = 768
 
 
-def use_symmetric_kernel(m: int, k: int, batch: int = 1, graphed: bool = False) -> bool:
+@functools.cache
+def sm_count(device: torch.device | None = None) -> int:
+    """The SM count of CUDA ``device`` (:data:`REFERENCE_SMS` for None, a CPU device, or
+    without CUDA)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return REFERENCE_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def use_symmetric_kernel(
+    m: int, k: int, batch: int = 1, graphed: bool = False, device: torch.device | None = None
+) -> bool:
     """Whether the Triton kernel is expected to beat cuBLAS for X of shape (batch, m, k).
 
     The kernel does half the FLOPs at a lower per-FLOP rate than cuBLAS and launches more
@@ -95,11 +110,14 @@ def use_symmetric_kernel(m: int, k: int, batch: int = 1, graphed: bool = False) 
     was faster this way than with those products on cuBLAS in every H100 run (three runs:
     median 4.474 against 4.742 ms, ``scripts/benchmark.py``). Re-tune with
     ``scripts/bench_kernels.py`` and the benchmark's "cuBLAS below m = 1024" row.
+
+    ``device``: the GPU it runs on, whose SM count the tiles must fill (``sm_count``).
     """
     if graphed and GRAPHED_MIN_M <= m < 1024:
         return True
     tiles = batch * upper_tile_count(m, _TILE, _TILE)
-    return m >= 1024 and tiles >= _MIN_TILES and tiles * k >= _MIN_TILE_WORK
+    min_tiles = _PROGRAMS_PER_SM * sm_count(device)
+    return m >= 1024 and tiles >= min_tiles and tiles * k >= _MIN_TILE_WORK
 
 
 def _flatten(X: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -236,7 +254,7 @@ def kernel_handles(X: torch.Tensor) -> bool:
         and X.dtype in _KERNEL_DTYPES
         and X.dim() >= 2
         and triton_kernels_enabled()
-        and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]))
+        and use_symmetric_kernel(X.shape[-2], X.shape[-1], math.prod(X.shape[:-2]), device=X.device)
     )
 
 

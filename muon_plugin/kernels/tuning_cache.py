@@ -18,7 +18,9 @@ and close to its best, and is used rather than autotuning on the first step.
 ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` turns all of them off (then every process autotunes, as Triton
 does by default); ``MUON_PLUGIN_AUTOTUNE_CACHE=own`` keeps only this machine's table (a GPU
 tuned afresh, to ship its table). An unreadable or unwritable file is ignored: the kernel then
-autotunes as if there were no file.
+autotunes as if there were no file. The variables are read by :func:`read_tuning_settings`,
+which every optimizer calls when it is built (so that no step reads the environment), and
+otherwise at the first use.
 """
 
 from __future__ import annotations
@@ -29,19 +31,50 @@ import logging
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("muon_plugin.kernels")
 
 
+@dataclass(frozen=True)
+class TuningSettings:
+    """The environment's say on the tables (see the module docstring), read at one time."""
+
+    cache_dir: Path
+    enabled: bool
+    own_table_only: bool
+
+
+_settings: TuningSettings | None = None
+
+
+def read_tuning_settings() -> TuningSettings:
+    """Read ``MUON_PLUGIN_CACHE_DIR``, ``XDG_CACHE_HOME`` and ``MUON_PLUGIN_AUTOTUNE_CACHE`` now;
+    later lookups use what was read."""
+    global _settings
+    explicit = os.environ.get("MUON_PLUGIN_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    mode = os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE", "1")
+    _settings = TuningSettings(
+        cache_dir=Path(explicit)
+        if explicit
+        else (Path(xdg) if xdg else Path.home() / ".cache") / "muon_plugin",
+        enabled=mode != "0",
+        own_table_only=mode == "own",
+    )
+    return _settings
+
+
+def tuning_settings() -> TuningSettings:
+    """The settings last read (read now if never)."""
+    return _settings if _settings is not None else read_tuning_settings()
+
+
 def cache_dir() -> Path:
     """Where the tables live (see the module docstring)."""
-    explicit = os.environ.get("MUON_PLUGIN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "muon_plugin"
+    return tuning_settings().cache_dir
 
 
 PACKAGED_DIR = Path(__file__).parent / "tuned"
@@ -74,14 +107,14 @@ def source_hash(kernel: Any) -> str:
 
 
 def enabled() -> bool:
-    """False when ``MUON_PLUGIN_AUTOTUNE_CACHE=0`` (read at the call)."""
-    return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE", "1") != "0"
+    """False when ``MUON_PLUGIN_AUTOTUNE_CACHE=0``."""
+    return tuning_settings().enabled
 
 
 def own_table_only() -> bool:
     """True when ``MUON_PLUGIN_AUTOTUNE_CACHE=own``: this machine's table only, none shipped
-    (to tune a GPU afresh, e.g. to ship its own table); read at the call."""
-    return os.environ.get("MUON_PLUGIN_AUTOTUNE_CACHE") == "own"
+    (to tune a GPU afresh, e.g. to ship its own table)."""
+    return tuning_settings().own_table_only
 
 
 class TuningCache:

@@ -3,8 +3,8 @@
 Layers, lowest first:
 
 - :mod:`~muon_plugin.lp.keys`: the state keys checkpoints store;
-- :mod:`~muon_plugin.lp.layout`, :mod:`~muon_plugin.lp.runtime`: DTensor layout of state
-  tensors; eager or compiled update functions and their constant tables;
+- :mod:`~muon_plugin.lp.runtime`: eager or compiled update functions and their constant
+  tables (the DTensor layout of state tensors is :mod:`muon_plugin.state_layout`'s);
 - :mod:`~muon_plugin.lp.codec`: the interface of a format (:class:`MomentumCodec`);
 - one module per format: :mod:`~muon_plugin.lp.bf16`, :mod:`~muon_plugin.lp.int8`,
   :mod:`~muon_plugin.lp.int4`, :mod:`~muon_plugin.lp.fp8` (with :mod:`~muon_plugin.lp.rank1`,

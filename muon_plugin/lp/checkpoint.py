@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from muon_plugin.lp.codec import MomentumCodec
 from muon_plugin.lp.formats import CODECS, STATE_KEYS
 from muon_plugin.lp.keys import BUFFER_KEY, CODES_KEY
-from muon_plugin.lp.layout import match_layout
 from muon_plugin.parameters import local
+from muon_plugin.state_layout import match_layout
 
 QUANTIZED_CODECS = tuple(c for c in CODECS.values() if c.quantized)
 """The formats with codes, in the order :func:`detect_format` tries them."""

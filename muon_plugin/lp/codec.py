@@ -33,9 +33,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from muon_plugin.lp.keys import CODES_KEY
-from muon_plugin.lp.layout import like_param
 from muon_plugin.lp.runtime import run
 from muon_plugin.parameters import local
+from muon_plugin.state_layout import like_param
 
 MIN_QUANTIZED_NUMEL = 4096
 """Like torchao's (and bitsandbytes') optimizers: smaller tensors are not worth quantizing."""

@@ -26,37 +26,10 @@ on CPU). Two caveats: the fp32 ``lerp`` of the update itself may differ by an ul
 approximately (unless ``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1``), so an element within an ulp
 of a cell edge may occasionally take the neighbouring element code.
 
-Why this format: ``scripts/bench_lp.py``'s ``mlp`` task on the H200 (400 steps, mean of data
-seeds 0 and 1, final loss against fp32-state Muon; exact simulations of each format, which
-reproduce the real int4 and int4/16 runs exactly; docs/performance.md has the details):
-
-======================================================  ===========  ==================
-int4 variant                                            bytes/param  mlp vs fp32
-======================================================  ===========  ==================
-previous: block 32, bf16 absmax (rounded up)            0.5625       +2.78%
-block 16, bf16 absmax (rounded up), over budget         0.625        +0.59%
-**this one**: block 16, 8-bit log scale, nearest        0.5703       +0.67%
-block 16, 8-bit log scale rounded down                  0.5703       -0.64%
-block 32 + a rank-8 bf16 low-rank part                  0.582        +4.07%
-block 32, subtractive dither                            0.5625       +2.63%
-======================================================  ===========  ==================
-
-Block 16 is the lever, and the 8-bit log scale keeps it within the 0.6 B budget at bf16's
-precision. Rounding the scale down scored better still, but by damping more (below); nearest is
-the neutral choice, the scale error symmetric and at most 1.1%.
-
-The caveat: the mid-rise top cell stores each block's largest element at about 15/16 of itself
-(15/16 of the scale, which is within 1.1% of it), so the format damps the largest momentum entries
-a little every step. An earlier CPU study (docs/performance.md) found that this damping alone (fp32
-momentum clipped to 15/16 of each block-32 absmax, no rounding) lowers the ``mlp`` loss by 3.2%, so
-part of what the int4 rounding costs there is offset by the damping rather than removed: the format
-slightly changes the algorithm, it is not only a coarser copy of fp32 momentum. With the scale
-rounded to nearest that damping is about what bf16 rounding of the absmax gives; rounding it down
-damps more. The same study measured the alternatives to the mid-rise map: a Gaussian Lloyd-Max map
-(the format before the previous one, H200 ``mlp`` +5.64%) and a uniform map whose outermost levels
-are ``+-absmax`` were 7 to 15 points worse on CPU, and stochastic rounding was never better than
-round to nearest (the momentum is requantized every step, so rounding noise compounds through
-``buf <- lerp(Q(buf), grad, 1 - momentum)``).
+The mid-rise top cell stores each block's largest element at about 15/16 of itself, so the
+format damps the largest momentum entries a little every step: it slightly changes the
+algorithm, it is not only a coarser copy of fp32 momentum. Why this format, the alternatives
+measured and that caveat in numbers: docs/design/muonlp_int4.md.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from muon_plugin.lp.formats import (
     state_nbytes,
     validate_state_dtype,
 )
-from muon_plugin.lp.layout import like_param
 from muon_plugin.lp.momentum import QUANTIZED, QuantizedMomentum
 from muon_plugin.optimizer import MuonForeach
 from muon_plugin.parameters import describe, local
+from muon_plugin.state_layout import like_param
 
 logger = logging.getLogger("muon_plugin.lp")
 

@@ -21,12 +21,17 @@ Adding one touches this module only: subclass :class:`Backend`, implement ``orth
 describe or choose a path), and call :func:`register_backend`; then ``MatrixSpec(backend=name)``
 selects it.
 
-Environment variables only supply defaults, read when a path is resolved (once per shape group
-of a plan; once per direct ``zeropower`` / ``orthogonalize_stack`` call), never while a path
-runs: ``MUON_PLUGIN_DISABLE_TRITON=1`` makes ``"auto"`` resolve like ``"cublas"`` (and turns the
-elementwise kernels off, see :func:`elementwise_kernels_allowed`); ``MUON_PLUGIN_DISABLE_GRAM=1``,
-``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1`` and ``MUON_PLUGIN_SYRK_TMA=0`` take Gram space, CUDA graphs
-and TMA loads away from ``"auto"`` and ``"cublas"``. ``"plain"`` uses none of them anyway.
+A name can take features away from a backend: ``"auto:no-gram"``, ``"auto:no-graphs,no-tma"``
+(features: ``triton``, ``gram``, ``half``, ``graphs``, ``tma``; see
+:class:`~muon_plugin.orthogonalize.paths.Features`). ``"auto:no-triton"`` also keeps the
+elementwise kernels off; a registered backend that does not run the built-in iteration takes
+``no-triton`` only (its elementwise kernels). The name, modifiers included, is what the plan
+report shows. :func:`with_overrides` adds the features the environment switches off
+(``MUON_PLUGIN_DISABLE_TRITON=1``, ``MUON_PLUGIN_DISABLE_GRAM=1``,
+``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``, ``MUON_PLUGIN_SYRK_TMA=0``), which the optimizer reads
+once, at its construction, and a one-off call (``zeropower``, ``orthogonalize_stack``) when it
+is made: the backend name is the one way to choose a path, and nothing reads the environment
+while a step runs.
 """
 
 from __future__ import annotations
@@ -42,11 +47,17 @@ import torch
 from torch import Tensor
 
 from muon_plugin.defaults import BACKENDS
-from muon_plugin.kernels import triton_kernels_enabled
+from muon_plugin.kernels import triton_available
 from muon_plugin.orthogonalize.coefficients import Schedule, coefficient_schedule
 from muon_plugin.orthogonalize.graphs import GraphedOrthogonalization, use_cuda_graph
 from muon_plugin.orthogonalize.iterations import IterationPath, run_iteration
-from muon_plugin.orthogonalize.paths import Features, ResolvedPath, iteration_path
+from muon_plugin.orthogonalize.paths import (
+    FEATURE_NAMES,
+    Features,
+    ResolvedPath,
+    environment_overrides,
+    iteration_path,
+)
 from muon_plugin.orthogonalize.spec import MatrixSpec, run_stack, stack_shape
 
 Stack = Tensor | Sequence[Tensor]
@@ -127,8 +138,8 @@ class Backend:
         return GraphedOrthogonalization(run, name, stream) if path.graph else run
 
     def elementwise_kernels(self) -> bool:
-        """Whether the elementwise Triton kernels may run next to this backend (read now)."""
-        return triton_kernels_enabled()
+        """Whether the elementwise Triton kernels may run next to this backend."""
+        return triton_available()
 
     def without_graphs(self) -> Backend:
         """This backend resolving paths for stacks run eagerly (one-off calls, the per-unit
@@ -159,8 +170,7 @@ class IterationBackend(Backend):
         graphed: bool = False,
     ) -> IterationPath:
         """The path of a batch of wide ``m x n`` matrices (see ``paths.iteration_path``)."""
-        features = self.features.under_environment()
-        return iteration_path(batch, m, n, device, features, gram_space, graphed)
+        return iteration_path(batch, m, n, device, self.features, gram_space, graphed)
 
     def resolve(
         self,
@@ -173,8 +183,7 @@ class IterationBackend(Backend):
         """A graph for small CUDA stacks, and per row-block size the
         :func:`~muon_plugin.orthogonalize.paths.iteration_path` of its batch (the stack's
         matrices of that size; inside a graph the kernel's region is wider)."""
-        features = self.features.under_environment()
-        graph = features.graphs and use_cuda_graph(device, stack, math.prod(shape), spec)
+        graph = self.features.graphs and use_cuda_graph(device, stack, math.prod(shape), spec)
         iterations = []
         for rows, cols, batch in spec.block_batches(shape, stack):
             m, n = sorted((rows, cols))
@@ -215,7 +224,39 @@ class IterationBackend(Backend):
         return result if out_dtype is None else result.to(out_dtype)
 
     def elementwise_kernels(self) -> bool:
-        return self.features.triton and triton_kernels_enabled()
+        return self.features.triton and triton_available()
+
+    def without(self, off: frozenset[str]) -> IterationBackend:
+        """This backend less the features named in ``off``."""
+        reduced = copy.copy(self)
+        reduced.features = self.features.without(off)
+        return reduced
+
+
+class _WithoutElementwiseKernels(Backend):
+    """A registered backend that does not run the built-in iteration, with ``no-triton``: the
+    same backend, the elementwise kernels off."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    def resolve(self, *args: Any, **kwargs: Any) -> ResolvedPath:
+        return self.inner.resolve(*args, **kwargs)
+
+    def orthogonalize(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.inner.orthogonalize(*args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.inner.run(*args, **kwargs)
+
+    def runner(self, *args: Any, **kwargs: Any) -> Callable[[Stack], Tensor]:
+        return self.inner.runner(*args, **kwargs)
+
+    def elementwise_kernels(self) -> bool:
+        return False
+
+    def without_graphs(self) -> Backend:
+        return _WithoutElementwiseKernels(self.inner.without_graphs())
 
 
 def _schedule(spec: MatrixSpec) -> Schedule:
@@ -245,15 +286,46 @@ _REGISTRY: dict[str, Backend] = {
 assert tuple(_REGISTRY) == BACKENDS, "muon_plugin.defaults.BACKENDS names the built-ins"
 
 
+_BY_NAME: dict[str, Backend] = {}  # every name asked for, modifiers included (a cache)
+
+
 def backend_names() -> tuple[str, ...]:
-    """The built-in backends, then the registered ones."""
+    """The built-in backends, then the registered ones (names without modifiers)."""
     return tuple(_REGISTRY)
 
 
-def validate_backend(name: Any) -> None:
-    """Raise ValueError naming ``backend`` and the known names unless ``name`` is one."""
-    if not isinstance(name, str) or name not in _REGISTRY:
+def _split(name: str) -> tuple[str, frozenset[str]]:
+    """``"auto:no-gram,no-tma"`` -> ``("auto", {"gram", "tma"})``; ValueError naming what is
+    wrong."""
+    base, _, modifiers = name.partition(":")
+    off = set()
+    for modifier in filter(None, (m.strip() for m in modifiers.split(","))):
+        feature = modifier.removeprefix("no-")
+        if not modifier.startswith("no-") or feature not in FEATURE_NAMES:
+            raise ValueError(
+                f"unknown backend {name!r}: {modifier!r} is no modifier; expected 'no-<feature>' "
+                f"with a feature of {FEATURE_NAMES}, e.g. 'auto:no-gram,no-tma'"
+            )
+        off.add(feature)
+    if base not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+    if ":" in name and not off:
+        raise ValueError(f"unknown backend {name!r}: no modifier after ':'")
+    return base, frozenset(off)
+
+
+def canonical_backend(name: str) -> str:
+    """``name`` with its modifiers sorted (the name a plan report shows)."""
+    base, off = _split(name)
+    return base + (":" + ",".join(f"no-{f}" for f in sorted(off)) if off else "")
+
+
+def validate_backend(name: Any) -> None:
+    """Raise ValueError naming ``backend`` and the known names unless ``name`` is one (with
+    modifiers that apply to it)."""
+    if not isinstance(name, str):
+        raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+    get_backend(name)
 
 
 def register_backend(name: str, backend: Backend, *, replace: bool = False) -> None:
@@ -261,19 +333,49 @@ def register_backend(name: str, backend: Backend, *, replace: bool = False) -> N
 
     The built-in names cannot be taken; another registered name only with ``replace=True``.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a backend name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"a backend name must be a non-empty string without ':', got {name!r}")
     if not isinstance(backend, Backend):
         raise TypeError(f"backend {name!r} must be a Backend, got {type(backend).__name__}")
     if name in BACKENDS or (name in _REGISTRY and not replace):
         raise ValueError(f"backend {name!r} is already registered; known: {backend_names()}")
     _REGISTRY[name] = backend
+    _BY_NAME.clear()
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered under ``name`` (ValueError naming the known ones otherwise)."""
-    validate_backend(name)
-    return _REGISTRY[name]
+    """The backend named ``name``: a registered one, less the features its modifiers name
+    (ValueError naming the known ones, or the modifier that does not apply)."""
+    found = _BY_NAME.get(name) if isinstance(name, str) else None
+    if found is not None:
+        return found
+    if not isinstance(name, str):
+        raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+    base, off = _split(name)
+    backend = _REGISTRY[base]
+    if off and isinstance(backend, IterationBackend):
+        backend = backend.without(off)
+    elif off:
+        if off != {"triton"}:
+            raise ValueError(
+                f"unknown backend {name!r}: backend {base!r} does not run the built-in "
+                "iteration; only 'no-triton' (its elementwise kernels) applies to it"
+            )
+        backend = _WithoutElementwiseKernels(backend)
+    _BY_NAME[name] = backend
+    return backend
+
+
+def with_overrides(name: str, off: frozenset[str]) -> str:
+    """The backend ``name`` less the features in ``off`` (the environment's overrides, see
+    the module docstring), as a canonical name; ``name`` itself when nothing changes. For a
+    backend that does not run the built-in iteration, only ``triton`` applies."""
+    base, own = _split(name)
+    if not isinstance(_REGISTRY[base], IterationBackend):
+        off = off & {"triton"}
+    if off <= own:
+        return name
+    return canonical_backend(f"{base}:" + ",".join(f"no-{f}" for f in sorted(own | off)))
 
 
 def resolve_path(
@@ -294,9 +396,11 @@ def resolve_path(
 
 
 def resolve_stack(X: Stack, spec: MatrixSpec) -> ResolvedPath:
-    """The (eager) path of a one-off stack ``X`` (``B, *shape``)."""
+    """The (eager) path of a one-off stack ``X`` (``B, *shape``), with the environment's
+    overrides (read now)."""
     first = X if isinstance(X, Tensor) else X[0]
     shape = stack_shape(X)
+    spec = replace(spec, backend=with_overrides(spec.backend, environment_overrides()))
     return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec, graphs=False)
 
 
@@ -323,8 +427,8 @@ def iteration_backend(name: str) -> IterationBackend:
 
 def elementwise_kernels_allowed(name: str) -> bool:
     """Whether the elementwise Triton kernels (momentum, decay + update) may run for a group on
-    backend ``name``: ``"auto"`` unless ``MUON_PLUGIN_DISABLE_TRITON=1`` (read now) or triton is
-    missing; never for ``"cublas"`` and ``"plain"``. The optimizer asks at every step (a
-    registry lookup), so the switch takes effect at the next step, and passes it as ``enabled``
-    to ``muon_plugin.kernels.elementwise.kernel_groups``."""
+    backend ``name``: ``"auto"`` (and its variants without ``no-triton``) where triton imports;
+    never for ``"cublas"``, ``"plain"`` or ``...:no-triton``. The optimizer asks at every step
+    (a cached lookup) and passes it as ``enabled`` to
+    ``muon_plugin.kernels.elementwise.kernel_groups``."""
     return get_backend(name).elementwise_kernels()

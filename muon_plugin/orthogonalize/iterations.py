@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from muon_plugin.kernels import gram
-from muon_plugin.kernels.matrix_scale import prescale_huge_, scale_matrices_
+from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
 
 SPACES = ("x", "gram")
@@ -89,18 +89,25 @@ class Normalization:
     # Matrices whose max-abs exceeds this are first scaled down by a power of two: the fp32
     # sum of squares behind the norm (and the Gram matrix) overflows above ~1.8e19.
     PRESCALE_ABOVE = 2.0**32
+    # Matrices whose max-abs is below this (and not zero) are first scaled up by a power of
+    # two: their norm would fall under eps (1e-7 by default) or their squares underflow, and
+    # the update would come out far smaller than the same gradient's at scale 1.
+    PRESCALE_BELOW = 2.0**-20
 
     def prescale_(self, X: Tensor, kernel: bool = False) -> None:
-        """Scale each matrix of the batch ``X`` whose max-abs is huge by a power of two, in place.
+        """Scale each matrix of the batch ``X`` whose max-abs is huge or tiny by a power of
+        two, in place.
 
         The polar factor does not depend on a positive scale, and a power of two is exact, so
-        this changes nothing for ordinary inputs (the factor is exactly 1) and lets inputs with
-        entries up to the dtype's maximum be orthogonalized like any other instead of giving
-        an overflowed norm (an exactly zero, or non-finite, result). Non-finite inputs stay
-        non-finite. ``kernel``: in the Triton kernel (which skips the matrices left as they
-        are), same results.
+        this changes nothing for ordinary inputs (the factor is exactly 1) and makes the
+        update scale-invariant at both ends: inputs with entries up to the dtype's maximum,
+        and down to its smallest, are orthogonalized like the same input at scale 1 (bit for
+        bit for a power-of-two scale) instead of giving an overflowed norm (a zero or
+        non-finite result) or a norm clamped to ``eps`` (a result far too small). An all-zero
+        matrix stays zero; non-finite inputs stay non-finite. ``kernel``: in the Triton
+        kernel (which skips the matrices left as they are), same results.
         """
-        prescale_huge_(X, self.PRESCALE_ABOVE, kernel)
+        prescale_(X, self.PRESCALE_BELOW, self.PRESCALE_ABOVE, kernel)
 
     def _inverse(self, norm: Tensor) -> Tensor:
         return norm.mul_(self.safety).clamp_min_(self.eps).reciprocal_()

@@ -7,26 +7,39 @@ whether the stack is replayed through a CUDA graph. A backend resolves it once p
 from the group's shape, stack size, device, dtype and spec; the run then makes no choices.
 
 The built-in backends differ only in their :class:`Features`; :func:`iteration_path` and
-:func:`use_gram_iteration` are the rules that turn features and a shape into a path. The
-environment switches (``MUON_PLUGIN_DISABLE_TRITON``, ``MUON_PLUGIN_DISABLE_GRAM``,
-``MUON_PLUGIN_DISABLE_CUDA_GRAPHS``, ``MUON_PLUGIN_SYRK_TMA=0``) only take features away, and
-are read by :meth:`Features.under_environment` when a path is resolved, never while it runs.
+:func:`use_gram_iteration` are the rules that turn features and a shape into a path. A backend
+name can take features away (``"auto:no-gram,no-tma"``, see
+:mod:`~muon_plugin.orthogonalize.backends`). The environment switches
+(``MUON_PLUGIN_DISABLE_TRITON=1``, ``MUON_PLUGIN_DISABLE_GRAM=1``,
+``MUON_PLUGIN_DISABLE_CUDA_GRAPHS=1``, ``MUON_PLUGIN_SYRK_TMA=0``) are overrides that take
+features away the same way: :func:`environment_overrides` reads them, once per optimizer (at
+its construction) or per one-off call, never while a step runs.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from muon_plugin.kernels import tma_enabled, tma_supported, triton_kernels_enabled
+from muon_plugin.kernels import tma_supported
 from muon_plugin.kernels import use_symmetric_kernel as kernel_wins
 from muon_plugin.orthogonalize.iterations import IterationPath
 
+DISABLE_TRITON = "MUON_PLUGIN_DISABLE_TRITON"
 DISABLE_GRAM = "MUON_PLUGIN_DISABLE_GRAM"
 DISABLE_CUDA_GRAPHS = "MUON_PLUGIN_DISABLE_CUDA_GRAPHS"
+SYRK_TMA = "MUON_PLUGIN_SYRK_TMA"
+
+ENVIRONMENT_SWITCHES: dict[str, tuple[str, str]] = {
+    "triton": (DISABLE_TRITON, "1"),
+    "gram": (DISABLE_GRAM, "1"),
+    "graphs": (DISABLE_CUDA_GRAPHS, "1"),
+    "tma": (SYRK_TMA, "0"),
+}
+"""feature -> (environment variable, the value that switches it off)."""
 
 # Wide enough that skipping (n / m)-sized work pays for the extra m x m products (measured
 # on an H200: see docs/performance.md).
@@ -43,19 +56,21 @@ class Features:
     graphs: bool = True  # CUDA graphs for small stacks
     tma: bool = True  # TMA loads and stores in the Triton kernel (Hopper)
 
-    def under_environment(self) -> Features:
-        """These features less those the environment switches off (read now)."""
-        return Features(
-            triton=self.triton and triton_kernels_enabled(),
-            gram=self.gram and not _switched_off(DISABLE_GRAM),
-            half=self.half,
-            graphs=self.graphs and not _switched_off(DISABLE_CUDA_GRAPHS),
-            tma=self.tma and tma_enabled(),
-        )
+    def without(self, off: frozenset[str]) -> Features:
+        """These features less those named in ``off``."""
+        return replace(self, **{name: False for name in off})
 
 
-def _switched_off(name: str) -> bool:
-    return os.environ.get(name, "0") == "1"
+FEATURE_NAMES = tuple(f.name for f in fields(Features))
+
+
+def environment_overrides() -> frozenset[str]:
+    """The features the environment switches off (read now; see the module docstring)."""
+    return frozenset(
+        feature
+        for feature, (variable, off) in ENVIRONMENT_SWITCHES.items()
+        if os.environ.get(variable) == off
+    )
 
 
 def iteration_path(
@@ -80,8 +95,8 @@ def iteration_path(
     """
     cuda = device.type == "cuda"
     triton = features.triton and cuda
-    xx = triton and kernel_wins(m, n, batch, graphed)
-    mm = triton and kernel_wins(m, m, batch, graphed)
+    xx = triton and kernel_wins(m, n, batch, graphed, device)
+    mm = triton and kernel_wins(m, m, batch, graphed, device)
     if gram_space is None:
         gram_space = features.gram and gram_space_wins(m, n, cuda)
     if mm:
@@ -98,11 +113,12 @@ def use_gram_iteration(X: Any) -> bool:
     """Whether the ``"auto"`` backend iterates the wide batch ``X`` (``..., m, n``) in Gram space.
 
     On CUDA where ``n >= GRAM_MIN_ASPECT * m``; never with ``MUON_PLUGIN_DISABLE_GRAM=1`` (read
-    now). The ``m x m`` products run in the Triton kernel where it handles them (``a I + b R +
-    c R^2`` summed in fp32, one rounding), else as fp16 cuBLAS products; either way the result
-    is closer to the fp64 loop than the bf16 plain loop (tests). Not on the CPU (no fast fp16).
+    now: a one-off call). The ``m x m`` products run in the Triton kernel where it handles them
+    (``a I + b R + c R^2`` summed in fp32, one rounding), else as fp16 cuBLAS products; either
+    way the result is closer to the fp64 loop than the bf16 plain loop (tests). Not on the CPU
+    (no fast fp16).
     """
-    if _switched_off(DISABLE_GRAM):
+    if "gram" in environment_overrides():
         return False
     m, n = X.shape[-2:]
     return gram_space_wins(m, n, bool(X.is_cuda))

@@ -21,6 +21,17 @@ MatrixFunction = Callable[[Tensor, float, bool], Tensor]
 
 
 @dataclass(frozen=True)
+class RowNormalization:
+    """NorMuon's stage after the orthogonalization (see :mod:`muon_plugin.orthogonalize.normuon`):
+    the per-row second-moment EMA's ``beta2``, the ``eps`` added to its root, and the
+    ``rescale`` rule (``muon_plugin.defaults.NORMUON_RESCALES``)."""
+
+    beta2: float
+    eps: float
+    rescale: str
+
+
+@dataclass(frozen=True)
 class MatrixSpec:
     """How a parameter's update is orthogonalized; hashable, so it keys shape groups.
 
@@ -30,6 +41,8 @@ class MatrixSpec:
     the strategy's schedule when set; ``eps`` bounds the input norm from below. ``backend``
     names the orthogonalization backend (``muon_plugin.defaults.BACKENDS`` or one added with
     :func:`~muon_plugin.orthogonalize.backends.register_backend`), resolved once per shape group.
+    ``normalization`` (NorMuon), when set, normalizes the rows of each orthogonalized matrix on
+    the rank that orthogonalized it; the backends ignore it.
     """
 
     steps: int = 5
@@ -41,6 +54,7 @@ class MatrixSpec:
     coefficients: Coefficients | None = None
     eps: float = EPS
     backend: str = "auto"
+    normalization: RowNormalization | None = None
 
     def matrix_view(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """``(batch, rows, cols)`` of the matrices a parameter of ``shape`` is made of."""
@@ -61,6 +75,11 @@ class MatrixSpec:
         if len(blocks) == 1:
             return [(rows, cols, stack * batch)]
         return [(size, cols, stack * batch * blocks.count(size)) for size in sorted(set(blocks))]
+
+    def row_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the per-row state of a parameter of ``shape``: one entry per row of each of
+        its matrices (``shape[:-1]``; ``(shape[0],)`` when flattened)."""
+        return (shape[0],) if self.flatten else tuple(shape[:-1])
 
     def flops(self, shape: tuple[int, ...]) -> float:
         """Matmul FLOPs of orthogonalizing one parameter of ``shape`` (plain-matmul count)."""

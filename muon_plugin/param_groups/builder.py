@@ -70,6 +70,10 @@ def optimizer_kwargs(base: BaseHyperparams, cfg: MuonConfig) -> dict[str, Any]:
         "backend": cfg.backend,
         "lr_adjust": cfg.lr_adjust,
         "flatten": cfg.flatten,
+        "normalization": cfg.normalization,
+        "normuon_beta2": cfg.normuon_beta2,
+        "normuon_eps": cfg.normuon_eps,
+        "normuon_rescale": cfg.normuon_rescale,
         **({"skip_nonfinite": True} if cfg.skip_nonfinite else {}),
     }
 
@@ -91,6 +95,10 @@ CONFIG_KEYS: dict[str, str] = {
     "skip_nonfinite": "optimizer.muon.skip_nonfinite",
     "flatten": "optimizer.muon.flatten",
     "backend": "optimizer.muon.backend",
+    "normuon_beta2": "optimizer.muon.normuon_beta2",
+    "normuon_eps": "optimizer.muon.normuon_eps",
+    "normuon_rescale": "optimizer.muon.normuon_rescale",
+    "normalization": "optimizer.muon.normalization (or optimizer.muon.<class>_normalization)",
     "algorithm": "optimizer.muon.<class>_algorithm",
 }
 

@@ -17,7 +17,8 @@ the defaults of every parameter class, ``beta1``/``beta2``/``eps`` those of the 
 
 Parameter classes (see :mod:`muon_plugin.param_groups.rules` for the default rules): ``matrix``,
 ``expert``, ``router``, ``embedding``, ``output``, ``norm``, ``other``; each has
-``<class>_patterns``, ``<class>_algorithm``, ``<class>_lr`` and ``<class>_weight_decay``.
+``<class>_patterns``, ``<class>_algorithm``, ``<class>_lr``, ``<class>_weight_decay`` and
+``<class>_normalization``.
 
 Choices and defaults come from :mod:`muon_plugin.defaults` (a setting the optimizer has too
 defaults to the optimizer's value, except ``lr_adjust``: the plugins'
@@ -35,6 +36,8 @@ from muon_plugin.defaults import (
     DEFAULTS,
     IMPLEMENTATIONS,
     LR_ADJUSTMENTS,
+    NORMALIZATIONS,
+    NORMUON_RESCALES,
     PLUGIN_IMPLEMENTATION,
     PLUGIN_LR_ADJUST,
     PLUGIN_STATE_DTYPE,
@@ -49,6 +52,8 @@ from muon_plugin.param_groups.rules import RuleSet, invalid_value, is_number
 
 _PREFIX = "optimizer.muon."
 _STRATEGY = DEFAULTS["orthogonalization_strategy"]
+_NORMALIZATION = DEFAULTS["normalization"]
+_RESCALE = DEFAULTS["normuon_rescale"]
 
 
 def choices(allowed: tuple[str, ...], default: str | None = None) -> Any:
@@ -91,6 +96,25 @@ class MuonConfig:
     """Treat >2-D parameters as (dim0, -1) matrices instead of batches of matrices (leave off
     for MoE experts)."""
 
+    normalization: choices(NORMALIZATIONS, _NORMALIZATION) = _NORMALIZATION
+    """Stage between the orthogonalization and the update of every Muon class (unless
+    <class>_normalization says otherwise): 'none' (Muon) or 'normuon' (NorMuon,
+    arXiv:2510.05491: each row of the orthogonalized update divided by the root of its running
+    mean square, then the matrix rescaled; exact under every layout, one fp32 state entry per
+    row)."""
+
+    normuon_beta2: float = DEFAULTS["normuon_beta2"]
+    """NorMuon: EMA coefficient of the per-row second moment, in [0, 1)."""
+
+    normuon_eps: float = DEFAULTS["normuon_eps"]
+    """NorMuon: added to the root of the per-row second moment."""
+
+    normuon_rescale: choices(NORMUON_RESCALES, _RESCALE) = _RESCALE
+    """NorMuon's rescale of each matrix (each row block of a fused weight): 'frobenius' keeps
+    the Frobenius norm of Muon's update (the NorMuon authors' code); 'rms' gives the norm of an
+    exactly orthogonal update under lr_adjust (the paper's rule: update RMS 0.2 with
+    'match_rms_adamw')."""
+
     adam_beta1: float | None = None
     """beta1 of the Adam(W) groups; unset (None): optimizer.beta1."""
 
@@ -109,8 +133,9 @@ class MuonConfig:
     'eager' (the same without CUDA graphs: less memory kept between steps on models of many
     small matrices, slower there), 'cublas' ('auto' without Triton kernels), 'plain' (the plain
     bf16 loop on torch matmuls, the reference), or a name registered with
-    muon_plugin.orthogonalize.register_backend. The plan logged after the first step shows the
-    path of every shape group."""
+    muon_plugin.orthogonalize.register_backend; ':no-<feature>' modifiers take features away,
+    e.g. 'auto:no-gram,no-tma' (features: triton, gram, half, graphs, tma). The plan logged
+    after the first step shows the backend and the path of every shape group."""
 
     skip_nonfinite: bool = SKIP_NONFINITE
     """Skip the update of a Muon matrix whose direction is not finite (a NaN/Inf gradient),
@@ -158,6 +183,10 @@ class MuonConfig:
     matrix_weight_decay: float | None = None
     """Weight decay of the 'matrix' class; unset (None): optimizer.weight_decay."""
 
+    matrix_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'matrix' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
+
     # --- expert: 3-D stacks of MoE expert matrices ([experts, rows, cols])
     expert_patterns: list[str] = field(default_factory=list)
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'expert'
@@ -171,6 +200,10 @@ class MuonConfig:
 
     expert_weight_decay: float | None = None
     """Weight decay of the 'expert' class; unset (None): optimizer.weight_decay."""
+
+    expert_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'expert' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
 
     # --- router: MoE router / gate matrices (moe.router.gate.weight)
     router_patterns: list[str] = field(default_factory=list)
@@ -186,6 +219,10 @@ class MuonConfig:
     router_weight_decay: float | None = None
     """Weight decay of the 'router' class; unset (None): optimizer.weight_decay."""
 
+    router_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'router' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
+
     # --- embedding: token embeddings (tok_embeddings.weight; also a tied output head)
     embedding_patterns: list[str] = field(default_factory=list)
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'embedding'
@@ -199,6 +236,10 @@ class MuonConfig:
 
     embedding_weight_decay: float | None = None
     """Weight decay of the 'embedding' class; unset (None): optimizer.weight_decay."""
+
+    embedding_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'embedding' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
 
     # --- output: the output head (output.weight, untied)
     output_patterns: list[str] = field(default_factory=list)
@@ -214,6 +255,10 @@ class MuonConfig:
     output_weight_decay: float | None = None
     """Weight decay of the 'output' class; unset (None): optimizer.weight_decay."""
 
+    output_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'output' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
+
     # --- norm: normalization weights (attention_norm, ffn_norm, q_norm, norm ...)
     norm_patterns: list[str] = field(default_factory=list)
     """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'norm'
@@ -227,6 +272,10 @@ class MuonConfig:
 
     norm_weight_decay: float | None = None
     """Weight decay of the 'norm' class; unset (None): optimizer.weight_decay."""
+
+    norm_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'norm' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
 
     # --- other: biases, attention sinks, expert biases and other odd parameters
     other_patterns: list[str] = field(default_factory=list)
@@ -242,6 +291,10 @@ class MuonConfig:
     other_weight_decay: float | None = None
     """Weight decay of the 'other' class; unset (None): optimizer.weight_decay."""
 
+    other_normalization: choices(NORMALIZATIONS) | None = None
+    """Normalization of the 'other' class when it runs Muon ('none' or 'normuon'); unset
+    (None): optimizer.muon.normalization."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -256,11 +309,15 @@ class MuonConfig:
             expected = option_problem(f.name, value, f.type)
             if expected is not None:
                 raise invalid_value(_PREFIX + f.name, value, expected)
-        from muon_plugin.orthogonalize import backend_names
+        from muon_plugin.orthogonalize import backend_names, validate_backend
 
-        if self.backend not in backend_names():
+        try:
+            validate_backend(self.backend)
+        except ValueError as e:
             expected = "one of " + ", ".join(map(repr, backend_names()))
-            raise invalid_value(_PREFIX + "backend", self.backend, expected)
+            if ":" in str(self.backend):
+                expected += f", with modifiers such as 'auto:no-gram' ({e})"
+            raise invalid_value(_PREFIX + "backend", self.backend, expected) from None
         self.rules()
 
     def rules(self) -> RuleSet:
@@ -270,7 +327,7 @@ class MuonConfig:
         )
 
 
-FRACTION_OPTIONS = ("momentum", "adam_beta1", "adam_beta2")
+FRACTION_OPTIONS = ("momentum", "adam_beta1", "adam_beta2", "normuon_beta2")
 """Number options in [0, 1); every other number option must be >= 0 (or see below)."""
 
 UNIT_INTERVAL_OPTIONS = ("qk_clip_alpha",)

@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from muon_plugin.defaults import ALGORITHMS
+from muon_plugin.defaults import ALGORITHMS, NORMALIZATIONS
 
 PARAM_CLASSES: tuple[str, ...] = (
     "matrix",
@@ -80,7 +80,9 @@ _EMBEDDING_MODULES = ("tok_embeddings", "embed_tokens", "wte", "wpe", "embedding
 _OUTPUT_NAMES = ("output.weight", "lm_head.weight")
 
 CLASS_OPTIONS: tuple[str, ...] = tuple(
-    f"{c}_{k}" for c in PARAM_CLASSES for k in ("patterns", "algorithm", "lr", "weight_decay")
+    f"{c}_{k}"
+    for c in PARAM_CLASSES
+    for k in ("patterns", "algorithm", "lr", "weight_decay", "normalization")
 )
 """The per-class options (``output_algorithm``, ...), as ``[optimizer.muon]`` and
 :func:`muon_param_groups` name them."""
@@ -161,6 +163,8 @@ class ClassSettings:
     lr: float | None = None
     weight_decay: float | None = None
     patterns: list[str] = field(default_factory=list)
+    normalization: str | None = None
+    """The Muon groups' ``normalization`` (``"none"``, ``"normuon"``); None: the optimizer's."""
 
 
 @dataclass
@@ -190,6 +194,7 @@ class RuleSet:
                 lr=options.get(f"{c}_lr"),
                 weight_decay=options.get(f"{c}_weight_decay"),
                 patterns=list(patterns) if isinstance(patterns, (list, tuple)) else patterns,
+                normalization=options.get(f"{c}_normalization"),
             )
         return cls(classes, option_prefix=option_prefix)
 
@@ -205,10 +210,21 @@ class RuleSet:
             self._check(c, s)
 
     def _check(self, c: str, s: ClassSettings) -> None:
-        """Raise ValueError naming ``<prefix><c>_algorithm`` or ``_patterns`` when invalid."""
+        """Raise ValueError naming ``<prefix><c>_algorithm``, ``_patterns`` or
+        ``_normalization`` when invalid."""
         if s.algorithm not in ALGORITHMS:
             expected = "one of " + ", ".join(map(repr, ALGORITHMS))
             raise invalid_value(f"{self.option_prefix}{c}_algorithm", s.algorithm, expected)
+        if s.normalization is not None and s.normalization not in NORMALIZATIONS:
+            expected = "one of " + ", ".join(map(repr, NORMALIZATIONS))
+            key = f"{self.option_prefix}{c}_normalization"
+            raise invalid_value(key, s.normalization, expected)
+        if s.normalization not in (None, "none") and s.algorithm != "muon":
+            raise ValueError(
+                f"{self.option_prefix}{c}_normalization = {s.normalization!r} but "
+                f"{self.option_prefix}{c}_algorithm is {s.algorithm!r}: the normalization "
+                "applies to Muon updates only"
+            )
         if not isinstance(s.patterns, (list, tuple)):
             raise invalid_value(
                 f"{self.option_prefix}{c}_patterns", s.patterns, "a list of strings"
@@ -334,6 +350,8 @@ def build_param_groups(
             "lr": lr if s.lr is None else s.lr,
             "wd": weight_decay if s.weight_decay is None else s.weight_decay,
         }
+        if s.normalization is not None and s.algorithm == "muon":
+            group["normalization"] = s.normalization
         if extra and s.algorithm in extra:
             group.update(extra[s.algorithm])
         groups.append(group)
@@ -365,7 +383,8 @@ def muon_param_groups(
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(
             f"muon_param_groups: unknown option {unknown[0]!r}{hint}; per-class options are "
-            "<class>_patterns, <class>_algorithm, <class>_lr, <class>_weight_decay for class "
+            "<class>_patterns, <class>_algorithm, <class>_lr, <class>_weight_decay, "
+            "<class>_normalization for class "
             f"in {PARAM_CLASSES}"
         )
     for key, value in (("lr", lr), ("weight_decay", weight_decay)):

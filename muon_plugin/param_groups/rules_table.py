@@ -1,5 +1,6 @@
-"""The param-group table logged when an optimizer is built: per parameter class, its algorithm,
-parameter count and size, lr, the lr Muon applies after ``lr_adjust``, and weight decay."""
+"""The param-group table logged when an optimizer is built: per parameter class, its algorithm
+(``normuon`` for a Muon group with NorMuon's normalization), parameter count and size, lr, the
+lr Muon applies after ``lr_adjust``, and weight decay."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def muon_lr_range(group: Mapping[str, Any]) -> tuple[float, float] | None:
     return group["lr"] * min(factors), group["lr"] * max(factors)
 
 
+def algorithm_label(group: Mapping[str, Any]) -> str:
+    """The algorithm column: the group's algorithm, ``"normuon"`` for a Muon group that
+    normalizes rows (settings the group leaves out take the optimizer's defaults)."""
+    group = {**DEFAULTS, **group}
+    if group["algorithm"] == "muon" and group["normalization"] != "none":
+        return group["normalization"]
+    return group["algorithm"]
+
+
 def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[str]) -> str:
     """A plain-text table: class, algorithm, count, #parameters, lr, the lr Muon applies
     after ``lr_adjust`` (a range over the group's matrix shapes), weight decay."""
@@ -45,7 +55,7 @@ def format_rules_table(groups: Sequence[Mapping[str, Any]], classes: Sequence[st
         else:
             effective = f"{span[0]:.3g}-{span[1]:.3g}"
         rows.append(
-            (c, g["algorithm"], str(n), f"{p:,}", f"{g['lr']:.3g}", effective, f"{g['wd']:.3g}")
+            (c, algorithm_label(g), str(n), f"{p:,}", f"{g['lr']:.3g}", effective, f"{g['wd']:.3g}")
         )
     rows.append(("total", "", str(total_n), f"{total_p:,}", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

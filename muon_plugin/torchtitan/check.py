@@ -11,8 +11,12 @@ line naming the key as ``section.field`` with a did-you-mean::
     optimizer.muon.ns_steps?
 
 Bad values (a choice not offered, ``optimizer.lr = -1``, ``optimizer.muon.ns_steps = 0``) are
-one line too. On success it prints the job's ``dump_folder`` (the only line on stdout) and
-exits 0; on an error it exits 2.
+one line too. On success it prints the job's ``dump_folder`` on the first line of stdout, then
+each local path the job reads, one per line (:func:`~muon_plugin.torchtitan.job_paths.read_paths`:
+absolute; ``scripts/train.sh`` builds the local corpus only when one lies in it), and exits 0;
+on an error it exits 2. Users need it (``scripts/train.sh`` runs it); it parses with
+``ConfigManager``'s own helpers (``_maybe_load_toml``, ``_maybe_add_custom_config``), private
+in 0.2.2, because only they read a TOML and a custom config module exactly as the trainer does.
 """
 
 from __future__ import annotations
@@ -129,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from muon_plugin.torchtitan.job_paths import read_paths
+
     print(job.job.dump_folder)
+    for path in read_paths(job):
+        print(path)
     return 0
 
 

@@ -20,7 +20,9 @@ the ``Trainer`` exists) does, only when no accelerator is present:
    ``torch`` global is replaced by a proxy whose ``histc`` counts integer CPU inputs in
    float32 (exact below 2**24 tokens) and returns the input dtype, like CUDA.
 
-On a machine with an accelerator nothing is changed. :func:`apply` is idempotent.
+On a machine with an accelerator nothing is changed. :func:`apply` is idempotent. Users need
+it (the README's main job runs on CPUs with it), and it has to reach into torchtitan's
+modules: torchtitan 0.2.2 has no public way to run without an accelerator.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ with a did-you-mean instead of tyro's box under every rank's traceback::
 When the optimizer is Muon's (``MuonOptimizersContainer.Config``) it also checks the job-wide
 optimizer values, the ``optimizer.muon_toml`` table (unknown keys with a did-you-mean, bad
 values), the Muon options in force and the class rules. On success it prints the job's
-``dump_folder`` (the only line on stdout) and exits 0; on an error it exits 2. ``--help`` is
-left to torchtitan (exit 0, nothing printed).
+``dump_folder`` on the first line of stdout, then each local path the job reads, one per line
+(:func:`~muon_plugin.torchtitan.job_paths.read_paths`), and exits 0; on an error it exits 2.
+``--help`` is left to torchtitan (exit 0, nothing printed).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def check(args: list[str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: print the dump folder (0) or one ``config error:`` line (2)."""
+    """The command line: print the dump folder and the paths the job reads (0), or one
+    ``config error:`` line (2)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print((__doc__ or "").strip())
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from muon_plugin.torchtitan.job_paths import read_paths
+
     print(config.dump_folder)
+    for path in read_paths(config):
+        print(path)
     return 0
 
 

@@ -11,7 +11,9 @@ Without an accelerator it
    (``_validate_device``) and inductor has no CPU backward for it, but the eager
    implementation differentiates fine.
 
-On a machine with an accelerator nothing is changed. Idempotent.
+On a machine with an accelerator nothing is changed. Idempotent. Users need it (the CPU runs),
+and it has to reach into torchtitan's and torch's modules: neither offers a public switch for
+this.
 """
 
 from __future__ import annotations

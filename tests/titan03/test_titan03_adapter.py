@@ -81,6 +81,31 @@ def test_container_groups_and_checkpoint_contract() -> None:
     assert torch.equal(got[key], sd[key]) and torch.count_nonzero(got[key]) > 0
 
 
+def test_normuon_state_in_the_checkpoint_contract() -> None:
+    """With NorMuon, 0.3's init step creates the per-row second moments (zero) under flattened
+    ``state.{fqn}.normuon_second_moment`` keys, one entry per row; they round-trip."""
+    from muon_plugin.param_groups.options import MuonConfig
+
+    def build():
+        muon = MuonConfig(normalization="normuon")
+        return muon_config(muon=muon).build(model_parts=[llama3_debug()])
+
+    opt = build()
+    sd = opt.state_dict()  # init_optim_state: zero grads, lr 0
+    key = "state.layers.0.attention.wo.weight.normuon_second_moment"
+    wo = dict(llama3_debug().named_parameters())["layers.0.attention.wo.weight"]
+    assert tuple(sd[key].shape) == (wo.shape[0],) and torch.count_nonzero(sd[key]) == 0
+    assert sd["param_groups.layers.0.attention.wo.weight.normalization"] == "normuon"
+    for p in opt.optimizers[0].param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state_dict().items()}
+    assert torch.count_nonzero(sd[key]) == wo.shape[0]
+    other = build()
+    other.load_state_dict(sd)
+    assert torch.equal(other.state_dict()[key], sd[key])
+
+
 def test_config_refuses_param_groups_and_bad_options() -> None:
     from torchtitan.components.optimizer import ParamGroupConfig
 

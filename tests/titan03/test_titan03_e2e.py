@@ -3,7 +3,8 @@
 
 - FSDP=2: trains (loss falls), logs the rule table and the plan; also the reference run;
 - a checkpoint saved under FSDP=2 at step SPLIT resumes under TP=2 with the next losses of the
-  uninterrupted run (TP=2 training, model and Muon/AdamW state resharded);
+  uninterrupted run (TP=2 training, model and Muon/AdamW state resharded); these runs use
+  NorMuon (``normalization = "normuon"``), whose per-row second moments are resharded too;
 - FSDP 2 x TP 2 (4 processes) trains;
 - 2 pipeline stages (torchtitan 0.3's interleaved schedule, 2 model parts per rank) train, one
   optimizer per model part (what torchtitan 0.3's own DistMuon refuses, like TP);
@@ -108,6 +109,7 @@ def _write_corpus(folder: Path, texts: list[str]) -> Path:
 
 def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
     return [
+        "--optimizer.muon.normalization", "normuon",
         "--hf_assets_path", str(assets / "tokenizer"),
         "--dataloader.dataset_path", str(corpus),
         "--dump_folder", str(dump),
@@ -138,16 +140,17 @@ def fsdp_runs(assets: Path, tmp_path_factory) -> dict:
     return {"ref": ref, "first": losses(first), "checkpoint": ckpt, "docs": docs}
 
 
-def test_fsdp2_trains_with_muon(fsdp_runs: dict) -> None:
+def test_fsdp2_trains_with_normuon(fsdp_runs: dict) -> None:
     log = fsdp_runs["ref"]
     got = losses(log)
     assert sorted(got) == list(range(1, TOTAL + 1)), log[-3000:]
     # the documents differ step to step: the last batch alone can be a hard one
     assert min(got.values()) < got[1] - 0.5, f"loss did not fall: {got}"
     assert "Muon optimizer: MuonForeach" in log
-    assert re.search(r"^\s*matrix\s+muon\s+30\s", log, re.M), log[-3000:]  # wqkv fused
+    assert re.search(r"^\s*matrix\s+normuon\s+30\s", log, re.M), log[-3000:]  # wqkv fused
     assert re.search(r"^\s*norm\s+adamw\s+13\s.*\s0$", log, re.M)  # TOML: norm_weight_decay 0
     assert "Muon orthogonalization plan" in log and "(S(0))" in log
+    assert "normuon second moments" in log
     assert "QK-Clip: tau 0.7, alpha 0.5; 6 attention layers (multi-head), 96 query heads" in log
     check_clipping(log, TAU)
 

@@ -221,3 +221,20 @@ def test_tyro_boxes_become_one_line() -> None:
     )
     no_flag = TYRO_UNRECOGNIZED.replace("--trainig.steps, 3", "7")
     assert unrecognized_options(no_flag) == "unrecognized command-line arguments: 7"
+
+
+def test_the_check_lists_the_paths_the_job_reads(capsys, monkeypatch) -> None:
+    """After the dump folder, every ``*_path`` the job reads (what train.sh decides on whether
+    to build the local corpus), overrides included, absolute."""
+    import muon_plugin.torchtitan03.check
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "configs"))
+    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
+    assert muon_plugin.torchtitan03.check.main([*argv, "--dataloader.dataset_path", "/c"]) == 0
+    root = ROOT.resolve()
+    assert capsys.readouterr().out.splitlines() == [
+        "./outputs/llama3_debug_muon",
+        str(root / "data" / "tokenizer"),
+        "/c",
+    ]

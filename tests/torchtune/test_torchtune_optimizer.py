@@ -118,9 +118,26 @@ def test_per_class_settings_and_patterns(cfg, model) -> None:
     assert not any(n.startswith("layers.1.mlp.") for n in groups["matrix"]["param_names"])
 
 
+def test_normuon_options(cfg, model) -> None:
+    """The section's NorMuon keys: the default for every Muon class, a per-class override."""
+    opt = build(
+        cfg,
+        model,
+        normalization="normuon",
+        normuon_rescale="rms",
+        output_algorithm="muon",
+        output_normalization="none",
+    )
+    groups = groups_by_class(opt)
+    assert groups["matrix"]["normalization"] == "normuon"
+    assert groups["matrix"]["normuon_rescale"] == "rms"
+    assert groups["output"]["algorithm"] == "muon" and groups["output"]["normalization"] == "none"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        ({"normuon_beta2": 1.0}, "optimizer.normuon_beta2: invalid value 1.0"),
         ({"ns_stepz": 3}, "optimizer.ns_stepz: unknown option; did you mean optimizer.ns_steps?"),
         ({"ns_steps": 0}, "optimizer.ns_steps: invalid value 0"),
         ({"betas": [0.9]}, "optimizer.betas: invalid value [0.9]"),

@@ -1,10 +1,11 @@
-"""Momentum state as DTensors: wrapping local state like its parameter, and moving loaded state
+"""Optimizer state as DTensors: wrapping local state like its parameter, and moving loaded state
 onto a parameter's device and layout.
 
 A state tensor is a plain tensor for a plain parameter, or a DTensor on the parameter's mesh
-with the placements its format gives it (:meth:`~muon_plugin.lp.codec.MomentumCodec.placements`),
-so ``state_dict()``, ``torch.save``, ``copy.deepcopy`` and DCP handle it like any optimizer
-state, and a DCP checkpoint reshards it like the parameter.
+with the placements its kind gives it (MuonLP's momentum formats:
+:meth:`~muon_plugin.lp.codec.MomentumCodec.placements`; NorMuon's per-row state:
+:mod:`muon_plugin.row_state`), so ``state_dict()``, ``torch.save``, ``copy.deepcopy`` and DCP
+handle it like any optimizer state, and a DCP checkpoint reshards it like the parameter.
 """
 
 from __future__ import annotations

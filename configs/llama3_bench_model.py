@@ -1,4 +1,6 @@
-"""The benchmark model ``llama3_bench``: ``--experimental.custom_import`` this module.
+"""The benchmark model ``llama3_bench``: ``--experimental.custom_import configs.llama3_bench_model``
+(from the repository root, as ``scripts/train.sh`` runs it; it is benchmark code, not part of
+the package).
 
 Importing it registers a torchtitan train spec ``llama3_bench``: torchtitan's ``llama3`` with
 
