@@ -273,7 +273,7 @@ class QKClip:
         """Fold per-head max logits ``s`` (``[local query heads]``) into ``layer``'s."""
         start = self.rule.q_offsets[layer]
         view = self._running[start : start + self.ranges[layer].n_q]
-        torch.maximum(view, s.detach().to(view.dtype), out=view)
+        torch.maximum(view, s.detach().to(device=view.device, dtype=view.dtype), out=view)
 
     # ----- after the optimizer step
 

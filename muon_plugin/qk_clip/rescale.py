@@ -68,7 +68,7 @@ class RowPlan:
             targets = [local(self.param), *self.copies]
             row = factors[self.index]
             for t in targets:
-                r = row.to(t.dtype) if t.dtype != row.dtype else row
+                r = row.to(device=t.device, dtype=t.dtype)  # no-op when they agree
                 t.mul_(r.view(-1, *([1] * (t.dim() - 1))))
 
 
