@@ -4,8 +4,10 @@ the package).
 
 Importing it registers a torchtitan train spec ``llama3_bench``: torchtitan's ``llama3`` with
 
-- two more flavors, sized for the local tokenizer of ``scripts/prepare_data.py`` (2048 tokens):
-  ``bench_88m`` (GPT-2-small shape) and ``bench_tiny`` (CPU smoke runs);
+- more flavors, sized for the local tokenizer of ``scripts/prepare_data.py`` (2048 tokens):
+  ``bench_88m`` (GPT-2-small shape), ``bench_8b_4l`` (four Llama-3-8B layers: what
+  ``scripts/bench_qk_clip.py`` and the QK-Clip throughput runs measure on one GPU) and
+  ``bench_tiny`` (CPU smoke runs);
 - a validator that evaluates the same held-out batches at every evaluation. torchtitan's own
   validator continues through its dataset from one evaluation to the next (and fails once the
   split is used up), so its curve mixes model progress with a changing sample.
@@ -26,6 +28,18 @@ FLAVORS = {
     # the blocks, 3.1M in the embedding and the head).
     "bench_88m": TransformerModelArgs(
         dim=768, n_layers=12, n_heads=12, vocab_size=LOCAL_VOCAB, rope_theta=500000
+    ),
+    # Llama-3-8B's layers (dim 4096, 32 heads, 8 key heads, FFN 14336), 4 of them: 0.87B
+    # parameters in the blocks.
+    "bench_8b_4l": TransformerModelArgs(
+        dim=4096,
+        n_layers=4,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        vocab_size=LOCAL_VOCAB,
+        rope_theta=500000,
     ),
     "bench_tiny": TransformerModelArgs(
         dim=256, n_layers=4, n_heads=8, vocab_size=LOCAL_VOCAB, rope_theta=500000

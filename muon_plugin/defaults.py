@@ -92,3 +92,19 @@ PLUGIN_IMPLEMENTATION = "foreach"
 
 PLUGIN_STATE_DTYPE = "fp32"
 """The framework plugins' momentum storage: fp32, no MuonLP (see :data:`STATE_DTYPES`)."""
+
+QK_CLIP_ALPHA = 0.5
+"""QK-Clip: a clipped head's query rows scale by ``gamma^alpha``, its key rows by
+``gamma^(1 - alpha)`` (Kimi K2, Megatron)."""
+
+QK_CLIP_GQA_RULES: tuple[str, ...] = ("query", "group")
+"""QK-Clip with grouped-query attention: ``"query"`` scales each query head by its own
+``gamma`` and leaves the shared key rows alone; ``"group"`` (Megatron) clips each key group by
+its largest logit, all its query heads by ``eta^alpha`` and its key by ``eta^(1 - alpha)``."""
+
+QK_CLIP_GQA_RULE = "query"
+"""The default GQA rule (see :data:`QK_CLIP_GQA_RULES`)."""
+
+QK_CLIP_CHUNK_BYTES = 256 * 2**20
+"""Working memory of one attention call's max-logit computation (logits and mask of a chunk
+of queries)."""

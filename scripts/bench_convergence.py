@@ -21,7 +21,10 @@ the seed changed. The plan, in order (``--budget-s`` stops launching runs that w
 5. ``--speed-repeats`` rounds of short speed runs (AdamW, then Muon, then each of
    ``--variants``, each alone on the machine, no validation, ``--speed-steps`` steps): their
    tokens/s (median over the logged windows after warm-up, then the median over repeats, with
-   the spread) give the speed comparison.
+   the spread) give the speed comparison;
+6. with ``--qk-clip TAU`` (or ``auto``): Muon at its best lr, seed 0, logging its largest
+   attention logit at every logged step, without clipping and with QK-Clip at TAU
+   (``scripts/qk_clip_curves.py``: ``auto`` is half the largest logit of the run without).
 
 Every finished run is kept in ``OUT/curves.json`` (train and validation curves, tokens/s) and
 a rerun with the same ``--out`` skips it, so the plan can be split over several invocations.
@@ -58,6 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
+import qk_clip_curves  # noqa: E402
 from bench_scaling import run_torchrun  # noqa: E402
 from bench_titan_tps import machine_text, parse_log  # noqa: E402
 from results_md import write_section  # noqa: E402
@@ -110,6 +114,8 @@ class Run:
     def job_args(self) -> list[str]:
         if self.optimizer.startswith("muonlp-"):
             opt = LP_ARGS[self.optimizer.removeprefix("muonlp-")]
+        elif qk_clip_curves.is_variant(self.optimizer):
+            opt = qk_clip_curves.job_args(self.optimizer)
         elif self.optimizer.startswith("muon-"):
             opt = VARIANT_ARGS[self.optimizer.removeprefix("muon-")]
         else:
@@ -172,6 +178,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "train": train,
         "val": val,
         "tps": tps,
+        "max_logit": qk_clip_curves.parse(ANSI_RE.sub("", text)),  # runs with QK-Clip only
     }
 
 
@@ -273,6 +280,11 @@ def plan(args, records: list[dict]) -> list[Run]:
         muon_lr = best["muon"]
         runs += [Run(f"muonlp-{d}", muon_lr, seed) for d in args.lp for seed in args.lp_seeds]
         runs += [Run(f"muon-{v}", muon_lr, seed) for v in args.variants for seed in args.seeds]
+        if args.qk_clip:
+            runs.append(Run(qk_clip_curves.MAXLOGIT, muon_lr, 0))
+            tau = qk_clip_curves.clip_tau(args.qk_clip, records)
+            if tau is not None:
+                runs.append(Run(f"{qk_clip_curves.QKCLIP}{tau:g}", muon_lr, 0))
     for opt in (o for o in SCHEDULED if o in best):
         runs += [Run(opt, best[opt], seed, budget=b) for b in args.budgets for seed in args.seeds]
     if len(best) == len(args.optimizers):
@@ -418,6 +430,10 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             ratio = None if sched["steps"] is None else sched["steps"] / adam_steps
             head[opt]["schedule"] = {**sched, "ratio": ratio}
     lines += speed_lines
+    qk_lines, qk_head = qk_clip_curves.table(ok)
+    lines += qk_lines
+    if qk_head:
+        head["qk_clip"] = qk_head
     return "\n".join(lines), head
 
 
@@ -531,6 +547,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "left out of the speed comparison)")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=float("inf"),
                    help="launch no run that would end after this many seconds")  # fmt: skip
+    p.add_argument("--qk-clip", default="",
+                   help="QK-Clip runs at Muon's best lr: a tau, or 'auto' (half the largest "
+                   "logit of Muon's run without clipping); '' for none")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
                    help="CPU check: tiny model, first lr of each optimizer")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="no runs: report OUT/curves.json")
@@ -666,6 +685,8 @@ def report(args, data: dict, records: list[dict]) -> None:
     )
     png = args.out / "convergence.png"
     plotted = plot(records, png)
+    qk_png = args.out / "qk_clip_max_logit.png"
+    qk_plotted = qk_clip_curves.plot(records, qk_png)
     text = "\n".join([meta, "", table, "", *(f"- {v}" for v in verdicts(head))])
     (args.out / "summary.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "optimizers": head}, indent=1))
@@ -677,6 +698,9 @@ def report(args, data: dict, records: list[dict]) -> None:
         body = "\n".join(["## Convergence (scripts/bench_convergence.py)", "", text, ""])
         if plotted:
             body += f"\n![train and validation loss]({rel})\n"
+        if qk_plotted:
+            qk_rel = qk_png.relative_to(ROOT) if qk_png.is_relative_to(ROOT) else qk_png
+            body += f"\n![QK-Clip: largest attention logit per step]({qk_rel})\n"
         write_section(ROOT / "RESULTS.md", "bench_convergence", body)
 
 

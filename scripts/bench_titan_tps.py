@@ -10,12 +10,19 @@ reports the median tps over the steps after ``--skip`` (start-up, warm-up), and 
         [--optimizers AdamW,muon] [--local-data] [--target 0.95] [--log-dir DIR]
         [--results RESULTS.md] [--json out.json] [-- extra torchtitan overrides ...]
 
+An entry ``muon+qk_clip`` of ``--optimizers`` is Muon with QK-Clip on
+(``--optimizer.muon.qk_clip_tau`` of ``--qk-clip-tau``, default 100: Kimi K2's), so
+``--optimizers muon,muon+qk_clip`` measures what QK-Clip costs a step (the statistic of every
+attention call and the clip after the optimizer step); a very large tau measures the statistic
+alone.
+
 ``--local-data`` points the run at scripts/prepare_data.py's corpus and tokenizer (what
 train.sh builds under ``$DATA_DIR``, default data/): no hub access, e.g. for
 configs/llama3_8b_muon.toml on a machine without network. ``--nproc`` sets train.sh's NPROC
 (default: one per GPU, 2 on CPU); ``$PYTHON`` is passed through to train.sh. With
 ``--results`` the table goes into RESULTS.md between ``<!-- bench_titan_tps:start -->`` and
-``<!-- bench_titan_tps:end -->``. CPU smoke test:
+``<!-- bench_titan_tps:end -->`` (``bench_titan_tps_qk_clip`` when a ``+qk_clip`` entry ran).
+CPU smoke test:
 
     python scripts/bench_titan_tps.py configs/llama3_debug_muon.toml --nproc 2 --steps 4 --skip 1
 """
@@ -85,11 +92,21 @@ def local_data_args() -> list[str]:
     ]  # fmt: skip
 
 
+QK_CLIP_VARIANT = "+qk_clip"
+
+
+def optimizer_args(optimizer: str, qk_clip_tau: float) -> list[str]:
+    """The job overrides of an ``--optimizers`` entry (``NAME`` or ``NAME+qk_clip``)."""
+    name = optimizer.removesuffix(QK_CLIP_VARIANT)
+    qk = ["--optimizer.muon.qk_clip_tau", f"{qk_clip_tau:g}"] if name != optimizer else []
+    return ["--optimizer.name", name, *qk]
+
+
 def run_one(optimizer: str, args, extra: list[str]) -> tuple[str, int]:
     """train.sh with ``optimizer``; (log text, return code). The log also goes to --log-dir."""
     cmd = [
         "bash", str(ROOT / "scripts" / "train.sh"), str(args.config),
-        "--optimizer.name", optimizer,
+        *optimizer_args(optimizer, args.qk_clip_tau),
         "--training.steps", str(args.steps),
         "--metrics.log_freq", "1",
         "--metrics.disable_color_printing",
@@ -124,11 +141,15 @@ def table(rows: list[dict], target: float) -> tuple[str, str]:
         )
     by_name = {r["optimizer"].lower(): r for r in rows}
     adam, muon = by_name.get("adamw"), by_name.get("muon")
+    clip = by_name.get("muon" + QK_CLIP_VARIANT)
     verdict = ""
+    if muon and clip and muon["tps_median"] and clip["tps_median"]:
+        ratio = clip["tps_median"] / muon["tps_median"]
+        verdict += f"Muon with QK-Clip / Muon tokens/s = {ratio:.3f}. "
     if adam and muon and adam["tps_median"] and muon["tps_median"]:
         ratio = muon["tps_median"] / adam["tps_median"]
         ok = "meets" if ratio >= target else "misses"
-        verdict = (
+        verdict += (
             f"Muon / AdamW tokens/s = {ratio:.3f} ({100 * abs(1 - ratio):.1f}% "
             f"{'slower' if ratio < 1 else 'faster'}); "
             f"{ok} the target of >= {target:.2f}."
@@ -162,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="steps left out of the median")
     parser.add_argument("--nproc", type=int, default=None)
+    parser.add_argument(
+        "--qk-clip-tau", type=float, default=100.0, help="tau of the muon+qk_clip entry"
+    )
     parser.add_argument("--local-data", action="store_true")
     parser.add_argument("--target", type=float, default=0.95, help="wanted Muon / AdamW tps")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
@@ -196,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": verdict}, indent=1))
     if args.results:
+        qk = any(r["optimizer"].endswith(QK_CLIP_VARIANT) for r in rows)
+        title = "Muon with and without QK-Clip" if qk else "AdamW vs Muon"
         section = "\n".join(
             [
-                "## torchtitan throughput, AdamW vs Muon (scripts/bench_titan_tps.py)",
+                f"## torchtitan throughput, {title} (scripts/bench_titan_tps.py)",
                 "",
                 meta + ".",
                 "",
@@ -210,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 verdict,
             ]
         )
-        write_section(args.results, "bench_titan_tps", section)
+        # the QK-Clip comparison has its own section: the AdamW vs Muon one stays
+        write_section(args.results, "bench_titan_tps_qk_clip" if qk else "bench_titan_tps", section)
         print(f"wrote {args.results}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

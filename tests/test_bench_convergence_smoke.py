@@ -117,6 +117,30 @@ def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
     assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
 
 
+def test_qk_clip_runs_follow_muons_sweep_and_auto_tau_halves_the_largest_logit():
+    import qk_clip_curves as qk
+
+    log = "\n".join(
+        [
+            "QK-Clip: max logit 3.5 (layers.1.attention), 0 heads clipped at tau 1e+30",
+            "step:  5  loss:  7.1  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 10  tflops: 1",
+            "validate step:  5  loss:  7.3",
+            "QK-Clip: max logit 4.25 (layers.0.attention), 2 heads clipped at tau 1e+30: x h1 4",
+            "step: 10  loss:  6.9  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 10  tflops: 1",
+        ]
+    )
+    assert qk.parse(log) == [[5, 3.5, 0], [10, 4.25, 2]]
+    assert qk.job_args("muon-qkclip2.5")[-2:] == ["--optimizer.muon.qk_clip_tau", "2.5"]
+    assert qk.job_args(qk.MAXLOGIT)[-1] == "1e+30"
+    only_muon = ["--optimizers", "muon", "--lrs-muon", "4e-3", "--seeds", "0", "--lp", ""]
+    args = bc.parse_args([*only_muon, "--budgets", "", "--speed-repeats", "0", "--qk-clip", "auto"])
+    sweep = _record("muon", 4e-3, 0, [[10, 4.0]])
+    assert [r.name for r in bc.plan(args, [sweep])] == ["muon-maxlogit-lr0.004-seed0"]
+    without = {**_record(qk.MAXLOGIT, 4e-3, 0, [[10, 4.1]]), "max_logit": qk.parse(log)}
+    assert qk.clip_tau("auto", [without]) == 2.12  # half of 4.25, three digits
+    assert [r.name for r in bc.plan(args, [sweep, without])] == ["muon-qkclip2.12-lr0.004-seed0"]
+
+
 def test_plan_runs_sweep_then_seeds_then_lp():
     args = bc.parse_args(
         ["--lp", "int8", "--seeds", "0,1", "--lp-seeds", "0,1", "--budgets", "150",
@@ -149,30 +173,42 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
         "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
-        "--out", str(out), "--parallel", "2", "--variants", "turbo",
+        "--out", str(out), "--parallel", "2", "--variants", "turbo", "--qk-clip", "0.05",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "curves.json").read_text())
     runs = {r["name"]: r for r in data["runs"]}
-    assert sorted(runs) == ["adamw-lr0.001-seed0", "muon-lr0.002-seed0", "muon-turbo-lr0.002-seed0"]
+    assert sorted(runs) == [
+        "adamw-lr0.001-seed0", "muon-lr0.002-seed0", "muon-maxlogit-lr0.002-seed0",
+        "muon-qkclip0.05-lr0.002-seed0", "muon-turbo-lr0.002-seed0",
+    ]  # fmt: skip
     for run in runs.values():
-        # both sweeps ran at once; the turbo_muon variant after them, at Muon's best lr
-        assert run["status"] == "ok" and run["concurrent"] == (1 if "turbo" in run["name"] else 2)
+        # both sweeps ran at once; the Muon variants after them, two at once, at Muon's best lr
+        assert run["status"] == "ok" and run["concurrent"] == 2, run["name"]
         assert [s for s, _ in run["train"]] == [1, 2, 3]
         assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
     log = (out / "runs" / "muon-turbo-lr0.002-seed0" / "train.log").read_text()
     assert "turbo_muon x4" in log  # the build summary of the job
+    # QK-Clip: both runs log their largest logit at every step; only the clipping one clips
+    for name in ("muon-maxlogit-lr0.002-seed0", "muon-qkclip0.05-lr0.002-seed0"):
+        assert [s for s, _, _ in runs[name]["max_logit"]] == [1, 2, 3], runs[name]["max_logit"]
+    assert sum(n for _, _, n in runs["muon-maxlogit-lr0.002-seed0"]["max_logit"]) == 0
+    assert sum(n for _, _, n in runs["muon-qkclip0.05-lr0.002-seed0"]["max_logit"]) > 0
+    assert runs["muon-lr0.002-seed0"]["max_logit"] == []
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["optimizers"]) == {"adamw", "muon", "muon-turbo"}
+    assert {"adamw", "muon", "muon-turbo", "qk_clip"} <= set(summary["optimizers"])
     assert "val_gap_vs_muon" in summary["optimizers"]["muon-turbo"]
+    assert set(summary["optimizers"]["qk_clip"]) == {"muon-maxlogit", "muon-qkclip0.05"}
     summary_md = (out / "summary.md").read_text()
     assert "reaches AdamW's best val loss" in summary_md
+    assert "| QK-Clip run | tau |" in summary_md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
     assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "qk_clip_max_logit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_speed_run_is_a_valid_job_without_validation(tmp_path, monkeypatch):

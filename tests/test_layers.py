@@ -20,6 +20,7 @@ LAYERS = {
     "kernels": 1,
     "orthogonalize": 2,
     "distributed": 3,
+    "qk_clip": 4,
     "param_groups": 5,
     "adapter": 6,
     "torchtitan": 7,

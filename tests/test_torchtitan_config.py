@@ -145,6 +145,9 @@ def test_unknown_key_in_muon_section(tmp_path: Path) -> None:
         ('norm_patterns = [""]', r"optimizer\.muon\.norm_patterns: empty"),
         ('norm_patterns = "norm*"', r"optimizer\.muon\.norm_patterns: invalid value 'norm\*'"),
         ('backend = "tpu"', r"optimizer\.muon\.backend: invalid value 'tpu'; expected one of"),
+        ("qk_clip_tau = 0.0", r"optimizer\.muon\.qk_clip_tau: invalid value 0\.0; expected a"),
+        ("qk_clip_alpha = 1.5", r"optimizer\.muon\.qk_clip_alpha: invalid value 1\.5"),
+        ('qk_clip_gqa = "all"', r"optimizer\.muon\.qk_clip_gqa: invalid value 'all'"),
     ],
 )
 def test_bad_values_name_key_and_value(tmp_path: Path, line: str, message: str) -> None:

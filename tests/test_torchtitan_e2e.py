@@ -6,9 +6,14 @@
   the losses of the uninterrupted run that saved it; these runs use NorMuon
   (``normalization = "normuon"``), so the per-row second moments are resharded too (row shards
   to TP's copies of a column-sharded matrix's rows);
-- 2 pipeline stages train.
+- 2 pipeline stages train;
+- QK-Clip (``optimizer.muon.qk_clip_tau`` at a tau the debug models exceed from the first
+  steps) is on in every run: the main run and the deepseek_v3 (MLA) run log the heads they clip,
+  each at most tau x 1.5 at the next step (``tests/qk_clip_log.py`` says why 1.5); the resumed
+  runs (TP, FSDP x TP) match the uninterrupted one with it; pipeline stages clip their own
+  layers.
 
-Marked slow (each torchrun starts in ~10 s on 2 CPU cores); run by default. Five torchrun
+Marked slow (each torchrun starts in ~10 s on 2 CPU cores); run by default. Six torchrun
 launches in all: each run checks as much as it can, to keep the file's time down.
 """
 
@@ -23,9 +28,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from qk_clip_log import check_clipping, clip_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama3_debug_muon.toml"
+TAU = 0.7  # QK-Clip's tau: the llama3 and deepseek_v3 debug models exceed it from step 1-5
+QK_CLIP = ["--optimizer.muon.qk_clip_tau", str(TAU)]
 LOSS_RE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.]+)")  # training steps
 
 pytestmark = [
@@ -55,12 +63,20 @@ def finish(proc: subprocess.CompletedProcess) -> str:
     return out
 
 
-def run_main_command(args: list[str], tmp: Path, data: Path, timeout: int = 400) -> str:
-    """The README's main command, ``bash scripts/train.sh CONFIG ...``, on 2 CPU processes."""
+def run_main_command(
+    args: list[str],
+    tmp: Path,
+    data: Path,
+    timeout: int = 400,
+    config: Path = CONFIG,
+    nproc: int = 2,
+) -> str:
+    """The README's main command, ``bash scripts/train.sh CONFIG ...``, on ``nproc`` CPU
+    processes (2 unless given)."""
     env = titan_env(tmp)
-    env.update(NPROC="2", DATA_DIR=str(data), LOG_RANK="0")
+    env.update(NPROC=str(nproc), DATA_DIR=str(data), LOG_RANK="0")
     env.pop("PYTHON", None)
-    cmd = ["bash", "scripts/train.sh", str(CONFIG), "--metrics.disable_color_printing", *args]
+    cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
     return finish(
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     )
@@ -134,9 +150,9 @@ VALIDATION = [
 
 def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job), with
-    torchtitan's validator on the corpus's held-out split."""
+    torchtitan's validator on the corpus's held-out split and QK-Clip."""
     steps = 20
-    args = local_run_args(assets, tmp_path / "out", steps) + VALIDATION
+    args = local_run_args(assets, tmp_path / "out", steps) + VALIDATION + QK_CLIP
     args += ["--validation.dataset_path", str(assets / "corpus_val")]
     log = run_main_command(args, tmp_path, assets)
     got = losses(log)
@@ -153,6 +169,11 @@ def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     assert re.search(r"^\s*norm\s+adamw\s+13\s.*\s0$", log, re.M)  # norm_weight_decay = 0
     assert "Muon orthogonalization plan" in log
     assert "CPU" in log  # torchtitan ran on the CPU stand-in device
+    # QK-Clip: the settings in the build summary, every attention layer, the heads it clipped
+    assert f"qk-clip tau {TAU:g} alpha 0.5 gqa query" in log
+    assert "QK-Clip: tau 0.7, alpha 0.5; 6 attention layers (multi-head), 96 query heads" in log
+    lines = check_clipping(log, TAU)
+    assert len(lines) == steps  # one per logged training step (validation steps add none)
 
 
 def _exact_chunks(assets: Path, n: int, tokens: int = 255) -> list[str]:
@@ -216,6 +237,7 @@ def _common(assets: Path) -> list[str]:
         str(BATCH),
         "--checkpoint.interval",
         "1000",
+        *QK_CLIP,
     ]
 
 
@@ -259,7 +281,8 @@ def test_checkpoint_from_fsdp2_resumes(
 ) -> None:
     """Saved at step SPLIT under FSDP=2, resumed under ``layout``: the next losses match the
     uninterrupted run (model and Muon/AdamW state resharded from Shard(0) to TP placements,
-    or to FSDP x TP's _StridedShard + Shard)."""
+    or to FSDP x TP's _StridedShard + Shard), QK-Clip on in both (on TP its heads are split
+    over the ranks, on FSDP x TP its maxima are reduced over the FSDP ranks)."""
     ref = fsdp_checkpoint["ref"]
     assert sorted(ref) == list(range(1, TOTAL + 1))
 
@@ -294,6 +317,8 @@ def test_checkpoint_from_fsdp2_resumes(
     # the run learned something (the reference is not flat), so matching it means something;
     # the last batch alone can be a hard one, whatever text the machine's corpus holds
     assert min(ref.values()) < ref[1] - 0.5, ref
+    clipped = [line.n_clipped for line in clip_lines(log)]
+    assert len(clipped) == TOTAL - SPLIT and sum(clipped) > 0, clipped  # they clipped heads too
 
 
 def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> None:
@@ -306,8 +331,26 @@ def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> Non
         "1",
     ]
     log = run_titan(
-        [*local_run_args(assets, tmp_path / "pp2", steps), *pp2], tmp_path, nproc=2, log_rank=1
+        [*local_run_args(assets, tmp_path / "pp2", steps), *pp2, *QK_CLIP],
+        tmp_path,
+        nproc=2,
+        log_rank=1,
     )
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert got[steps] < got[1] - 0.5, f"loss did not fall: {got}"
+
+
+def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
+    """The deepseek_v3 debug model (MLA attention, MoE) with QK-Clip, one process (its layouts
+    are the llama3 runs'): every MLA layer's heads are clipped (no-rope q and k rows, rope
+    queries), and stay near tau at the next step."""
+    steps = 3
+    config = ROOT / "configs" / "deepseek_v3_debug_muon.toml"
+    tau = 0.6  # one process: its first logits are lower than under FSDP=2's larger batch
+    args = [*local_run_args(assets, tmp_path / "ds", steps), "--optimizer.muon.qk_clip_tau", "0.6"]
+    log = run_main_command(args, tmp_path, assets, config=config, nproc=1)  # the README's command
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert "6 attention layers (6 MLA), 96 query heads" in log, log[-3000:]
+    check_clipping(log, tau)

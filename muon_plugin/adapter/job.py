@@ -25,6 +25,7 @@ from muon_plugin.param_groups.builder import BaseHyperparams, optimizer_setup, w
 from muon_plugin.param_groups.options import MuonConfig
 from muon_plugin.param_groups.rules import RuleSet, build_param_groups, check_unused_patterns
 from muon_plugin.param_groups.rules_table import format_rules_table
+from muon_plugin.qk_clip import QKClip
 
 __all__ = [
     "JobOptimizers",
@@ -61,6 +62,8 @@ class JobOptimizers:
     rules: RuleSet
     config: MuonConfig
     """The options in force."""
+    qk_clip: QKClip | None = None
+    """The job's QK-Clip (:mod:`muon_plugin.adapter.qk_clip`), None when it is off."""
     _changes_on_load: dict[int, list[str]] = field(default_factory=dict, repr=False)
 
     @property
@@ -101,7 +104,8 @@ class JobOptimizers:
             f"{' (nesterov)' if cfg.nesterov else ''}, lr_adjust {cfg.lr_adjust}, "
             f"cautious wd {cfg.cautious_weight_decay}, adam betas {kw['adam_betas']} "
             f"eps {kw['adam_eps']}, fused adam {kw['fused_adam']}, "
-            f"state dtype {cfg.state_dtype}, skip non-finite {cfg.skip_nonfinite}\n"
+            f"state dtype {cfg.state_dtype}, skip non-finite {cfg.skip_nonfinite}"
+            f"{format_qk_clip_settings(cfg)}\n"
             "Muon param groups:\n"
             f"{self.format_rules()}"
         )
@@ -126,6 +130,13 @@ class JobOptimizers:
         if is_rank0():
             log.info(self.format_build_summary())
         log_plan_after_first_step(register_step_post_hook, self.format_plan_report, log)
+
+
+def format_qk_clip_settings(cfg: MuonConfig) -> str:
+    """The QK-Clip settings as the build summary shows them (nothing when it is off)."""
+    if cfg.qk_clip_tau is None:
+        return ""
+    return f", qk-clip tau {cfg.qk_clip_tau:g} alpha {cfg.qk_clip_alpha:g} gqa {cfg.qk_clip_gqa}"
 
 
 def build_job_optimizers(

@@ -41,6 +41,9 @@ from muon_plugin.defaults import (
     PLUGIN_IMPLEMENTATION,
     PLUGIN_LR_ADJUST,
     PLUGIN_STATE_DTYPE,
+    QK_CLIP_ALPHA,
+    QK_CLIP_GQA_RULE,
+    QK_CLIP_GQA_RULES,
     SKIP_NONFINITE,
     STATE_DTYPES,
     STRATEGIES,
@@ -152,6 +155,21 @@ class MuonConfig:
     log_plan: bool = True
     """Log (rank 0) the param-group table at build time and the distributed orthogonalization
     plan after the first step."""
+
+    qk_clip_tau: float | None = None
+    """QK-Clip (MuonClip) threshold: after each optimizer step, every attention head whose
+    largest pre-softmax logit of the step exceeded it has its query and key rows scaled so that
+    logit becomes tau (Kimi K2: 100). Unset (None): off."""
+
+    qk_clip_alpha: float = QK_CLIP_ALPHA
+    """QK-Clip: a clipped head's query rows scale by gamma^alpha and its key rows by
+    gamma^(1 - alpha), gamma = tau / max logit; in [0, 1]."""
+
+    qk_clip_gqa: choices(QK_CLIP_GQA_RULES, QK_CLIP_GQA_RULE) = QK_CLIP_GQA_RULE
+    """QK-Clip with grouped-query attention (a key head shared by several query heads):
+    'query' scales each clipped query head by its own gamma and leaves the shared key rows
+    alone; 'group' (Megatron) clips each key group by its largest logit, all its query heads
+    by gamma^alpha and the key by gamma^(1 - alpha)."""
 
     # --- matrix: 2-D weight matrices (attention and MLP projections, shared experts)
     matrix_patterns: list[str] = field(default_factory=list)
@@ -312,7 +330,13 @@ class MuonConfig:
 
 
 FRACTION_OPTIONS = ("momentum", "adam_beta1", "adam_beta2", "normuon_beta2")
-"""Number options in [0, 1); every other number option must be >= 0."""
+"""Number options in [0, 1); every other number option must be >= 0 (or see below)."""
+
+UNIT_INTERVAL_OPTIONS = ("qk_clip_alpha",)
+"""Number options in [0, 1]."""
+
+POSITIVE_OPTIONS = ("qk_clip_tau",)
+"""Number options that must be finite and > 0."""
 
 
 def option_problem(key: str, value: Any, option_type: Any) -> str | None:
@@ -335,6 +359,11 @@ def option_problem(key: str, value: Any, option_type: Any) -> str | None:
         return None if ok else "a positive integer"
     if key in FRACTION_OPTIONS:
         return None if is_number(value) and 0.0 <= value < 1.0 else "a number in [0, 1)"
+    if key in UNIT_INTERVAL_OPTIONS:
+        return None if is_number(value) and 0.0 <= value <= 1.0 else "a number in [0, 1]"
+    if key in POSITIVE_OPTIONS:
+        ok = is_number(value) and 0 < value < float("inf")
+        return None if ok else "a finite number > 0 (or unset)"
     return None if is_number(value) and value >= 0 else "a non-negative number"
 
 

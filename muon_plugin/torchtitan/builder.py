@@ -20,10 +20,12 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from muon_plugin.adapter.job import JobContainerMixin, build_job_optimizers
+from muon_plugin.adapter.qk_clip import attach_qk_clip, build_qk_clip
 from muon_plugin.adapter.resume import keep_job_settings_on_load
 from muon_plugin.param_groups.builder import BaseHyperparams, with_config_key
 from muon_plugin.param_groups.options import MuonConfig, validate_optimizer_section
 from muon_plugin.torchtitan.checkpoint import LR_HINT
+from muon_plugin.torchtitan.qk_clip import describe_attention, qk_clip_group
 
 __all__ = [
     "MuonOptimizersContainer022",
@@ -101,5 +103,12 @@ def build_muon_optimizers(
             "(job.custom_config_module is not muon_plugin.torchtitan?): using the defaults"
         )
     container = MuonOptimizersContainer022(model_parts, cfg, base_hyperparams(optimizer_config))
+    if cfg.qk_clip_tau is not None:
+        group = qk_clip_group(parallel_dims)
+        pipeline = bool(getattr(parallel_dims, "pp_enabled", False))
+        container.job.qk_clip = build_qk_clip(
+            model_parts, cfg, describe_attention, group, pipeline=pipeline
+        )
     container.job.log_build(container.register_step_post_hook, logger)
+    attach_qk_clip(container.job.qk_clip, container.register_step_post_hook, logger)
     return container

@@ -4,9 +4,11 @@ torchtitan's ``Trainer`` (0.2.2 and 0.3 alike) calls ``metrics_processor.log(ste
 at every log step (``metrics.log_freq``) and ``metrics_processor.close()`` once at the end (also
 after an error). :func:`install` wraps those two methods of 0.2.2's ``MetricsProcessor`` (and its
 ``__init__``, which starts the clock), whatever train spec built it: ``log`` records the loss,
-the global token count and the peak device memory (torchtitan resets the peak at each log), and
-warns (rank 0) when Muon skipped non-finite updates; ``close`` logs (rank 0) the summary of
-the adapter core (:class:`muon_plugin.adapter.summary.RunSummary`).
+the global token count and the peak device memory (torchtitan resets the peak at each log),
+warns (rank 0) when Muon skipped non-finite updates, and, with QK-Clip on, logs its line and
+adds its metrics (``qk_clip/max_logit``, ``qk_clip/heads_clipped``, per layer
+``qk_clip/max_logit_layer_<i>``) to the step's ``extra_metrics``; ``close`` logs (rank 0)
+the summary of the adapter core (:class:`muon_plugin.adapter.summary.RunSummary`).
 
 Nothing here changes what torchtitan logs or computes. The module imports on both releases;
 torchtitan 0.3's plugin installs it with :func:`install_on` and its own checkpoint-folder rule
@@ -24,6 +26,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from muon_plugin.adapter.job import is_rank0
+from muon_plugin.adapter.qk_clip import log_qk_clip
 from muon_plugin.adapter.summary import RunSummary
 
 __all__ = [
@@ -69,12 +72,30 @@ def _summary(processor: Any) -> RunSummary:
     return summary
 
 
+def _with_qk_clip_metrics(processor: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``log``'s arguments with QK-Clip's metrics added to ``extra_metrics`` (and its line
+    logged, rank 0) when the run's Muon optimizers clip."""
+    job = getattr(getattr(processor, "optimizers", None), "job", None)
+    report = log_qk_clip(getattr(job, "qk_clip", None), logger)
+    if report is None:
+        return args, kwargs
+    if len(args) > 2:  # extra_metrics passed by position
+        args = (*args[:2], {**(args[2] or {}), **report.metrics()}, *args[3:])
+    else:
+        kwargs = {
+            **kwargs,
+            "extra_metrics": {**(kwargs.get("extra_metrics") or {}), **report.metrics()},
+        }
+    return args, kwargs
+
+
 def _record(processor: Any, original_log: Any, step: int, loss: float, *args: Any, **kwargs: Any):
     try:
         memory = processor.device_memory_monitor.get_peak_stats().max_reserved_gib
     except Exception:  # a summary must never stop training
         memory = 0.0
     summary = _summary(processor)  # created before the first log: its clock starts earlier
+    args, kwargs = _with_qk_clip_metrics(processor, args, kwargs)
     original_log(processor, step, loss, *args, **kwargs)
     extra = kwargs.get("extra_metrics", args[2] if len(args) > 2 else None) or {}
     tokens = extra.get("n_tokens_seen")

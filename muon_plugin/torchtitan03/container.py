@@ -24,11 +24,18 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from muon_plugin.adapter.job import JobContainerMixin, build_job_optimizers
+from muon_plugin.adapter.qk_clip import attach_qk_clip, build_qk_clip
 from muon_plugin.adapter.resume import keep_job_settings_on_load
 from muon_plugin.param_groups.builder import BaseHyperparams
 from muon_plugin.param_groups.options import MuonConfig
 from muon_plugin.param_groups.table import apply_table, read_muon_table
 from muon_plugin.torchtitan.checkpoint import LR_HINT
+from muon_plugin.torchtitan03.qk_clip import (
+    describe_attention,
+    qk_clip_group,
+    remember_parallel_dims,
+    remembered_parallel_dims,
+)
 
 __all__ = ["MuonOptimizersContainer", "resolve_muon_config"]
 
@@ -90,6 +97,7 @@ class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
                     "optimizer.implementation: 'fused_opt_states_bf16' is not supported by "
                     "Muon; use optimizer.muon.state_dtype = 'bf16' for bf16 optimizer states"
                 )
+            remember_parallel_dims()  # QK-Clip's data-parallel group (the trainer's meshes)
 
         def base_hyperparams(self) -> BaseHyperparams:
             """The defaults every parameter class starts from."""
@@ -110,4 +118,11 @@ class MuonOptimizersContainer(JobContainerMixin, OptimizersContainer):
         self._attach_job(job)
         self._post_init(job.params)
         keep_job_settings_on_load(job, lr_from="checkpoint", log=logger, lr_hint=LR_HINT)
+        if job.config.qk_clip_tau is not None:
+            dims = remembered_parallel_dims()
+            pipeline = bool(getattr(dims, "pp_enabled", False))
+            job.qk_clip = build_qk_clip(
+                model_parts, job.config, describe_attention, qk_clip_group(dims), pipeline=pipeline
+            )
         job.log_build(self.register_step_post_hook, logger)
+        attach_qk_clip(job.qk_clip, self.register_step_post_hook, logger)

@@ -21,6 +21,9 @@ DCP), subclassed, except:
 - on ``device: cpu`` the recipe runs on gloo (:mod:`muon_plugin.torchtune.cpu_mode`);
 - the DCP resume restores the LR scheduler's ``initial_lr`` (torchtune 0.6.1 drops it, for
   every optimizer, and the scheduler then refuses to resume);
+- with ``optimizer.qk_clip_tau``, QK-Clip bounds every attention head's max logit after each
+  optimizer step, and rank 0 logs what it clips with each logged step
+  (:mod:`muon_plugin.torchtune.qk_clip`);
 - a resume keeps the config's optimizer settings (lr included) and logs what changed
   (:func:`muon_plugin.torchtune.component.muon`); a checkpoint of another optimizer is refused
   by name (:mod:`muon_plugin.torchtune.resume`);
@@ -39,11 +42,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torchtune import config, training, utils
 
+from muon_plugin.adapter.qk_clip import QKClipRefused, attach_qk_clip, build_qk_clip
 from muon_plugin.adapter.summary import RunSummary
 from muon_plugin.torchtune.checks import check_recipe_config
 from muon_plugin.torchtune.component import job_of
 from muon_plugin.torchtune.cpu_mode import on_cpu, own_checkpoint_group
-from muon_plugin.torchtune.options import TorchtuneConfigError
+from muon_plugin.torchtune.options import SECTION, TorchtuneConfigError
+from muon_plugin.torchtune.qk_clip import data_parallel_group, describe_attention
 from muon_plugin.torchtune.resume import check_resumed_state
 from muon_plugin.torchtune.summary import record_run
 from muon_plugin.torchtune.upstream import load_recipe_module
@@ -83,6 +88,7 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
                 self.world_size,
                 self._output_dir,
                 None if job is None else job.skipped_updates,
+                None if job is None else job.qk_clip,
             )
 
     def train(self) -> None:
@@ -107,6 +113,7 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
         (resharded to this run's layout) exactly as the upstream recipe does.
         """
         optimizer = config.instantiate(cfg_optimizer, list(self._model.named_parameters()))
+        self._attach_qk_clip(optimizer)
         if self._resume_from_checkpoint:
             check_resumed_state(
                 optimizer,
@@ -126,6 +133,24 @@ class MuonFullFinetuneRecipe(FullFinetuneRecipeDistributed):
             )
         utils.log_rank_zero(log, "Optimizer is initialized.")
         return optimizer
+
+    def _attach_qk_clip(self, optimizer: Optimizer) -> None:
+        """With ``optimizer.qk_clip_tau``: QK-Clip over the model's attention modules, run
+        after every optimizer step (:mod:`muon_plugin.torchtune.qk_clip`)."""
+        job = job_of(optimizer)
+        if job is None or job.config.qk_clip_tau is None:
+            return
+        try:
+            job.qk_clip = build_qk_clip(
+                [self._model],
+                job.config,
+                describe_attention,
+                data_parallel_group(self._model),
+                option=f"{SECTION}.qk_clip_tau",
+            )
+        except QKClipRefused as e:
+            raise TorchtuneConfigError(str(e)) from None
+        attach_qk_clip(job.qk_clip, optimizer.register_step_post_hook, log)
 
     def _dcp_folder(self) -> str | None:
         """The DCP folder the async resume loads (torchtune's own choice of the latest)."""

@@ -14,26 +14,41 @@ import functools
 import time
 from typing import Any
 
+from torchtune import utils
+
+from muon_plugin.adapter.qk_clip import log_qk_clip
 from muon_plugin.adapter.summary import RunSummary
 
 __all__ = ["CHECKPOINT_PREFIXES", "record_run"]
+
+log = utils.get_logger()
 
 CHECKPOINT_PREFIXES = ("epoch_", "dist_epoch_")
 """How torchtune names its checkpoint folders: full state dicts, and DCP (async)."""
 
 
 def record_run(
-    metric_logger: Any, world_size: int, output_dir: str | None, skipped: Any = None
+    metric_logger: Any,
+    world_size: int,
+    output_dir: str | None,
+    skipped: Any = None,
+    qk_clip: Any = None,
 ) -> RunSummary:
     """A summary that records every ``metric_logger.log_dict`` call from now on.
 
-    ``skipped``: a callable returning Muon's skipped updates so far on this rank.
+    ``skipped``: a callable returning Muon's skipped updates so far on this rank;
+    ``qk_clip``: the run's :class:`~muon_plugin.qk_clip.QKClip` (None when off), whose line is
+    logged and whose metrics join every logged step's payload.
     """
     summary = RunSummary(output_dir, CHECKPOINT_PREFIXES)
     original = metric_logger.log_dict
 
     @functools.wraps(original)
     def log_dict(payload: dict[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        if qk_clip is not None and "loss" in payload:
+            report = log_qk_clip(qk_clip, log)
+            if report is not None:
+                payload = {**payload, **report.metrics()}
         result = original(payload, step, *args, **kwargs)
         try:  # a summary must never stop training
             if "loss" in payload:

@@ -9,7 +9,11 @@
 - 2 pipeline stages (torchtitan 0.3's interleaved schedule, 2 model parts per rank) train, one
   optimizer per model part (what torchtitan 0.3's own DistMuon refuses, like TP);
 - the deepseek_v3 debug model (MoE) trains under FSDP=2: expert stacks on Muon, the router on
-  AdamW.
+  AdamW;
+- QK-Clip (``optimizer.muon.qk_clip_tau``, a tau the debug models exceed from the first steps)
+  is on in every run: the FSDP run (fused ``wqkv``) and the deepseek_v3 run (MLA) log the heads
+  they clip, each at most tau x 1.5 at the next step (``tests/qk_clip_log.py``); the TP resume
+  matches the uninterrupted run with it; FSDP x TP and the pipeline stages clip their heads.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from qk_clip_log import check_clipping, clip_lines
 
 ROOT = Path(__file__).resolve().parents[2]
+TAU = 0.7
+QK_CLIP = ["--optimizer.muon.qk_clip_tau", str(TAU)]
 LOSS_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 TOTAL, SPLIT, BATCH = 8, 4, 2
 
@@ -111,6 +118,7 @@ def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
         "--lr_scheduler.warmup_steps", "2",
         "--lr_scheduler.total_steps", str(TOTAL),  # the same schedule in the split runs
         "--checkpoint.interval", "1000",
+        *QK_CLIP,
     ]  # fmt: skip
 
 
@@ -143,6 +151,8 @@ def test_fsdp2_trains_with_normuon(fsdp_runs: dict) -> None:
     assert re.search(r"^\s*norm\s+adamw\s+13\s.*\s0$", log, re.M)  # TOML: norm_weight_decay 0
     assert "Muon orthogonalization plan" in log and "(S(0))" in log
     assert "normuon second moments" in log
+    assert "QK-Clip: tau 0.7, alpha 0.5; 6 attention layers (multi-head), 96 query heads" in log
+    check_clipping(log, TAU)
 
 
 def test_checkpoint_from_fsdp2_resumes_under_tp2(
@@ -172,6 +182,8 @@ def test_checkpoint_from_fsdp2_resumes_under_tp2(
     assert sorted(second) == list(range(SPLIT + 1, TOTAL + 1))
     for s in range(SPLIT + 1, TOTAL + 1):
         assert second[s] == pytest.approx(ref[s], abs=2e-3), (s, second, ref)
+    clipped = [line.n_clipped for line in clip_lines(log)]
+    assert len(clipped) == TOTAL - SPLIT and sum(clipped) > 0, clipped
 
 
 def test_fsdp2_x_tp2_trains_with_muon(assets: Path, tmp_path: Path) -> None:
@@ -188,6 +200,7 @@ def test_fsdp2_x_tp2_trains_with_muon(assets: Path, tmp_path: Path) -> None:
             str(steps),
             "--parallelism.tensor_parallel_degree",
             "2",
+            *QK_CLIP,
         ],  # fmt: skip
         tmp_path,
         nproc=4,
@@ -212,7 +225,7 @@ def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> Non
     each with its own Muon optimizer; the last stage (rank 1) logs the loss."""
     steps = 4
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"]
-    log = run([*_short_run(assets, tmp_path, steps), *pp], tmp_path, ranks="0,1")
+    log = run([*_short_run(assets, tmp_path, steps), *pp, *QK_CLIP], tmp_path, ranks="0,1")
     assert "Using pipeline schedule Interleaved1F1B" in log, log[-3000:]
     got = {s: v for s, v in losses(log).items() if v > 0}  # rank 0 logs -1 (no last stage)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
@@ -224,9 +237,13 @@ def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> Non
 
 def test_moe_experts_train_with_muon(assets: Path, tmp_path: Path) -> None:
     steps = 3
-    log = run(_short_run(assets, tmp_path, steps), tmp_path, config="deepseek_v3_debug_muon")
+    log = run(
+        [*_short_run(assets, tmp_path, steps), *QK_CLIP], tmp_path, config="deepseek_v3_debug_muon"
+    )
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert got[steps] < got[1] - 0.2, f"loss did not fall: {got}"
+    assert "attention layers (6 MLA)" in log, log[-3000:]
+    check_clipping(log, TAU)
     assert re.search(r"^\s*expert\s+muon\s+\d+\s", log, re.M), log[-3000:]
     assert re.search(r"^\s*router\s+adamw\s+\d+\s", log, re.M), log[-3000:]

@@ -71,6 +71,10 @@ CASES = {
         "optimizer.muon.ns_steps: invalid value 0; expected ",
     ),
     "toml-typo": (["--optimizer.muon_toml", "{tmp}/bad.toml"], _TYPO.format("in {tmp}/bad.toml")),
+    "qk-clip-tau": (
+        ["--optimizer.muon.qk_clip_tau", "-1"],
+        "optimizer.muon.qk_clip_tau: invalid value -1.0; expected a finite number > 0",
+    ),
 }
 """name -> (overrides, how the one line after "config error: " starts); {tmp}: a temporary
 folder."""
@@ -120,11 +124,13 @@ def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str
 def test_run_writes_the_log_with_the_summary_and_resumes_with_a_changed_option(
     assets: Path, tmp_path: Path
 ) -> None:
-    """A 4-step run saving at steps 2 and 4; then, from a copy of its step-2 checkpoint, a
-    resume with ``--optimizer.muon.ns_steps 1``: the job's setting is logged and trains (the
-    step-3 loss, from the saved weights, is the first run's; the step-4 loss differs)."""
+    """A 4-step run saving at steps 2 and 4, with QK-Clip (the README's command); then, from a
+    copy of its step-2 checkpoint, a resume with ``--optimizer.muon.ns_steps 1``: the job's
+    setting is logged and trains (the step-3 loss, from the saved weights, is the first run's;
+    the step-4 loss differs)."""
     dump = tmp_path / "run"
     args = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    args += ["--optimizer.muon.qk_clip_tau", "0.7"]
     kwargs = train_sh(["--dump_folder", str(dump), *args], tmp_path, assets)
     proc = subprocess.run(capture_output=True, timeout=300, **kwargs)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -136,6 +142,7 @@ def test_run_writes_the_log_with_the_summary_and_resumes_with_a_changed_option(
     assert "loss: final " in text and "tokens/s over all ranks" in text
     assert f"checkpoints: {dump}/checkpoint (step-2, step-4)" in text
     assert f"log: {log_file}" in text
+    assert "qk-clip tau 0.7 alpha 0.5 gqa query" in text and "QK-Clip: max logit" in text
     ranks = list((log_file.parent / "ranks").rglob("stdout.log"))
     assert ranks and "Run summary" in ranks[0].read_text()
 

@@ -12,7 +12,10 @@
   (same losses to 1e-4: the same global batches and the same whole-matrix orthogonalization),
   and resuming from its DCP checkpoint gives its epoch-2 losses exactly;
 - ``optimizer_in_bwd=True`` ends the recipe with one line naming the key, before any process
-  group or model.
+  group or model;
+- QK-Clip (``optimizer.qk_clip_tau``, a tau the tiny model exceeds from step 1) is on in every
+  run: the FSDP run logs the heads it clips, each at most tau x 1.5 at the next step
+  (``tests/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it.
 
 Marked slow (each run starts in ~10 s on 2 CPU cores).
 """
@@ -26,11 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from qk_clip_log import check_clipping
 from tt_common import CONFIG, ROOT, data_overrides, offline_env
 
 STEPS, EPOCHS = 4, 2
 LOSS_RE = re.compile(r"^Step (\d+) \| loss:([0-9.eE+-]+) ", flags=re.M)
 RECIPE = "muon_plugin/torchtune/full_finetune.py"
+TAU = 1.0  # QK-Clip's tau: the tiny llama3_2 exceeds it from step 1
 TP = [
     "tensor_parallel_dim=2",
     "tensor_parallel_plan._component_=torchtune.models.llama3.base_llama_tp_plan",
@@ -87,6 +92,7 @@ def training(data: Path, init: Path, out: Path, extra: list[str]) -> list[str]:
         f"epochs={EPOCHS}",
         "batch_size=2",
         "clip_grad_norm=null",
+        f"optimizer.qk_clip_tau={TAU}",
         *extra,
     ]
 
@@ -136,6 +142,8 @@ def test_fsdp_trains_with_the_class_rules(fsdp: dict) -> None:
     assert f"Run summary: {STEPS * EPOCHS} logged steps (1-{STEPS * EPOCHS})" in log, log[-3000:]
     assert "tokens/s over all ranks (median of" in log
     assert f"checkpoints: {fsdp['out']} (epoch_0, epoch_1)" in log
+    assert "QK-Clip: tau 1, alpha 0.5; 2 attention layers (2 GQA (rule 'query'))" in log
+    assert len(check_clipping(log, TAU)) == STEPS * EPOCHS
 
 
 def test_fsdp_checkpoint_holds_muon_state_and_resumes_exactly(fsdp: dict) -> None:

@@ -1,0 +1,346 @@
+"""The statistic: each query head's largest pre-softmax logit, from the q and k an attention
+call already has.
+
+``max_logit_per_head(q, k, scale=..., visible=...)`` computes ``max over (batch, i, j visible)
+of scale * q_i . k_j`` per query head, never with autograd, the same number whatever attention
+backend the model runs (SDPA, FlexAttention, varlen), by one of two paths:
+
+- on CUDA (torch with FlexAttention's ``max_scores``): one compiled FlexAttention forward over
+  ``q``, ``k`` and a zero ``V`` 16 wide, asking for its per-row max scores (fp32, after the
+  scale), with the call's own ``BlockMask`` or one built for it (causal masks cached). Fused: the
+  logits never leave the chip; it costs the ``q k^T`` product and the softmax's exponentials of
+  one attention forward (about a seventh of the attention's forward + backward FLOPs);
+- elsewhere (and as the fallback): the products in query chunks (fp32: a bf16/fp16 batched
+  matmul with fp32 output on CUDA, else the inputs in fp32), masked and reduced chunk by chunk so
+  that the working memory stays under ``chunk_bytes``; keys past a chunk's last query are
+  skipped under causal masks. Exact, but each chunk's logits pass through memory.
+
+``MUON_PLUGIN_QK_CLIP_FLEX=0`` keeps every call on the chunked path.
+
+Which (query, key) pairs count is a :class:`Visibility`: causal, a FlexAttention ``mask_mod``,
+a dense boolean mask, packed documents (varlen ``cu_seqlens``) with an optional window, or
+everything. Grouped-query attention: ``k`` may have fewer heads than ``q`` (query head ``h``
+uses key head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from muon_plugin.defaults import QK_CLIP_CHUNK_BYTES
+
+__all__ = [
+    "Visibility",
+    "is_real",
+    "max_logit_per_head",
+    "outside_dispatch_modes",
+    "should_record",
+]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+logger = logging.getLogger(__name__)
+
+FLEX_ENV = "MUON_PLUGIN_QK_CLIP_FLEX"
+FLEX_V_DIM = 16
+"""The width of the zero ``V`` of the FlexAttention path (its ``P V`` product is that narrow)."""
+
+
+def should_record() -> bool:
+    """Whether a forward counts towards the step's statistic: autograd on, not inference mode
+    (validation and generation run under ``no_grad`` / ``inference_mode`` and are left out;
+    a checkpointed layer's recomputation counts again, which the MAX makes harmless)."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def is_real(t: Tensor) -> bool:
+    """Whether ``t`` holds data (not a meta or fake tensor of a tracing / estimating pass;
+    under ``torch.compile`` tracing, every tensor stands for data)."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+@contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Run the statistic outside any active ``TorchDispatchMode``: selective activation
+    checkpointing caches the outputs of matmuls it sees (and refuses later in-place changes),
+    which for the statistic's logits would be memory never freed; the statistic is no part of
+    the model's computation. Under ``torch.compile`` tracing, nothing changes."""
+    if torch.compiler.is_compiling():
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def _vmap_mask_mod(mask_mod: MaskMod) -> MaskMod:
+    """``mask_mod`` over index vectors ``(b[B], h[H], q[C], kv[K]) -> bool[B, H, C, K]``."""
+    fn = mask_mod
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    return torch.vmap(fn, in_dims=(0, None, None, None), out_dims=0)
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which (query i, key j) pairs an attention call lets through.
+
+    At most one of ``mask_mod``, ``dense`` and ``documents`` is set; ``causal`` and
+    ``window`` apply on top (``j <= i + offset``; ``i - left <= j <= i + right``, ``-1`` for
+    unbounded). ``offset`` aligns causal masks when there are fewer queries than keys
+    (``Lk - Lq`` for bottom-right alignment, 0 for SDPA's top-left).
+    """
+
+    causal: bool = False
+    offset: int = 0
+    mask_mod: MaskMod | None = None
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` (a ``BlockMask``'s)."""
+    mask_shape: tuple[int, int] | None = None
+    """``(B, H)`` the ``mask_mod`` is defined over (a ``BlockMask``'s first two dims; 1
+    broadcasts); None: the batch and query heads of ``q``."""
+    block_mask: Any = None
+    """The call's own FlexAttention ``BlockMask`` (its ``mask_mod`` is then ``mask_mod``): the
+    FlexAttention path uses it as it is."""
+    dense: Tensor | None = None
+    """Boolean ``[B, Lq, Lk]`` or ``[B, 1 or Hq, Lq, Lk]``, True = visible."""
+    documents: Tensor | None = None
+    """Per token ``[B, L]`` document ids: only pairs of one document are visible."""
+    window: tuple[int, int] | None = None
+
+    def key_limit(self, q_stop: int, lk: int) -> int:
+        """How many leading keys a chunk of queries ending before ``q_stop`` can see."""
+        limit = lk
+        if self.causal:
+            limit = min(limit, q_stop + self.offset)
+        if self.window is not None and self.window[1] >= 0:
+            limit = min(limit, q_stop - 1 + self.window[1] + 1)
+        return max(limit, 0)
+
+    def chunk(
+        self, b: int, hq: int, q_start: int, q_stop: int, lk: int, device: torch.device
+    ) -> Tensor | None:
+        """Boolean mask ``[B or 1, Hq or 1, C, lk]`` of the queries ``[q_start, q_stop)``
+        and the first ``lk`` keys; None when every pair is visible."""
+        qi = torch.arange(q_start, q_stop, device=device).view(-1, 1)
+        kj = torch.arange(lk, device=device).view(1, -1)
+        mask: Tensor | None = None
+
+        def both(m: Tensor) -> Tensor:
+            return m if mask is None else mask & m
+
+        if self.causal:
+            mask = both((kj <= qi + self.offset).view(1, 1, *qi.shape[:1], lk))
+        if self.window is not None:
+            left, right = self.window
+            inside = torch.ones_like(kj <= qi)
+            if left >= 0:
+                inside = inside & (kj >= qi - left)
+            if right >= 0:
+                inside = inside & (kj <= qi + right)
+            mask = both(inside.view(1, 1, q_stop - q_start, lk))
+        if self.mask_mod is not None:
+            fn = _vmap_mask_mod(self.mask_mod)
+            mb, mh = self.mask_shape or (b, hq)
+            m = fn(
+                torch.arange(mb, device=device),
+                torch.arange(mh, device=device),
+                torch.arange(q_start, q_stop, device=device),
+                torch.arange(lk, device=device),
+            )
+            mask = both(m.to(torch.bool))
+        if self.dense is not None:
+            dense = self.dense if self.dense.dim() == 4 else self.dense.unsqueeze(1)
+            mask = both(dense[:, :, q_start:q_stop, :lk].to(device=device, dtype=torch.bool))
+        if self.documents is not None:
+            docs = self.documents.to(device)
+            same = docs[:, q_start:q_stop, None] == docs[:, None, :lk]
+            mask = both(same.unsqueeze(1))
+        return mask
+
+    def flex_mask_mod(self, hq: int) -> MaskMod | None:
+        """The visibility as one FlexAttention ``mask_mod`` (None: everything visible); dense
+        masks and documents become index lookups."""
+        mods: list[MaskMod] = []
+        if self.causal:
+            offset = self.offset
+            mods.append(lambda b, h, i, j: j <= i + offset)
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                mods.append(lambda b, h, i, j: j >= i - left)
+            if right >= 0:
+                mods.append(lambda b, h, i, j: j <= i + right)
+        if self.mask_mod is not None:
+            mods.append(self.mask_mod)
+        if self.dense is not None:
+            dense = self.dense if self.dense.dim() == 4 else self.dense.unsqueeze(1)
+            dense = dense.to(torch.bool)
+            per_head = dense.shape[1] > 1
+            mods.append(lambda b, h, i, j: dense[b, h if per_head else 0, i, j])
+        if self.documents is not None:
+            docs = self.documents
+            mods.append(lambda b, h, i, j: docs[b, i] == docs[b, j])
+        if not mods:
+            return None
+        if len(mods) == 1:
+            return mods[0]
+
+        def both(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = mods[0](b, h, i, j)
+            for mod in mods[1:]:
+                out = out & mod(b, h, i, j)
+            return out
+
+        return both
+
+
+_flex_state: dict[str, Any] = {}
+
+
+def _flex_available(q: Tensor) -> bool:
+    """Whether the FlexAttention path serves ``q``: CUDA, a torch whose FlexAttention returns
+    max scores, not switched off, not failed before, and not inside ``torch.compile`` tracing
+    (which takes the chunked path)."""
+    if not q.is_cuda or os.environ.get(FLEX_ENV, "1") == "0" or _flex_state.get("failed"):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return False
+    return "max_scores" in getattr(AuxRequest, "__dataclass_fields__", {})
+
+
+def _flex_block_mask(visible: Visibility, b: int, hq: int, lq: int, lk: int, device) -> Any:
+    """The ``BlockMask`` of ``visible`` for these sizes: the call's own, a cached causal (or
+    all-visible) one, or one built for the call (compiled ``create_block_mask``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if visible.block_mask is not None:
+        return visible.block_mask
+    plain = visible.mask_mod is None and visible.dense is None and visible.documents is None
+    key = (visible.causal, visible.offset, visible.window, lq, lk, str(device))
+    cache = _flex_state.setdefault("masks", {})
+    if plain and key in cache:
+        return cache[key]
+    mod = visible.flex_mask_mod(hq) or (lambda bb, h, i, j: i >= 0)
+    if visible.mask_mod is not None and visible.mask_shape is not None:
+        mb, mh = visible.mask_shape
+    elif visible.dense is not None or visible.documents is not None:
+        mb, mh = b, None
+    else:
+        mb, mh = None, None
+    if "create" not in _flex_state:
+        _flex_state["create"] = torch.compile(create_block_mask)
+    mask = _flex_state["create"](mod, mb, mh, lq, lk, device=device)
+    if plain:
+        if len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        cache[key] = mask
+    return mask
+
+
+def _flex_max(q: Tensor, k: Tensor, scale: float, visible: Visibility) -> Tensor | None:
+    """The max logit per query head through one compiled FlexAttention forward with a zero
+    ``V`` (its ``max_scores``); None when that fails (then never tried again, with a warning)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    b, hq, lq, _ = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    try:
+        block_mask = _flex_block_mask(visible, b, hq, lq, lk, q.device)
+        if "flex" not in _flex_state:
+            _flex_state["flex"] = torch.compile(flex_attention)
+        v = q.new_zeros(b, hk, lk, FLEX_V_DIM)
+        _, aux = _flex_state["flex"](
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=hq != hk,
+            return_aux=AuxRequest(max_scores=True),
+        )
+        return aux.max_scores.float().amax(dim=(0, 2))
+    except Exception as e:  # any unsupported shape or torch: the exact chunked path instead
+        _flex_state["failed"] = True
+        logger.warning(
+            f"QK-Clip: the FlexAttention max-logit path failed ({e!r}); every attention call "
+            f"uses the chunked path from now on (set {FLEX_ENV}=0 to choose it from the start)"
+        )
+        return None
+
+
+def _products(q: Tensor, k_t: Tensor) -> Tensor:
+    """``q @ k_t`` (3-D batches) in fp32: bf16/fp16 inputs on CUDA keep their matmul rate and
+    accumulate in fp32 as the attention kernels do; other inputs are multiplied in fp32."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(q, k_t, out_dtype=torch.float32)
+    return torch.bmm(q.float(), k_t.float())
+
+
+def max_logit_per_head(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float | None = None,
+    visible: Visibility | None = None,
+    chunk_bytes: int = QK_CLIP_CHUNK_BYTES,
+) -> Tensor:
+    """Largest ``scale * q_i . k_j`` over the batch and the visible pairs, per query head.
+
+    ``q``: ``[B, Hq, Lq, D]``; ``k``: ``[B, Hk, Lk, D]`` with ``Hq`` a multiple of ``Hk``;
+    ``scale`` defaults to ``D ** -0.5``. Returns fp32 ``[Hq]``; ``-inf`` for a head that sees
+    no pair. Runs without autograd; no host synchronization.
+    """
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"max_logit_per_head: q {tuple(q.shape)} and k {tuple(k.shape)} are not "
+            "[B, heads, L, D] with the same B and D"
+        )
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"max_logit_per_head: {hq} query heads, {hk} key heads")
+    rep = hq // hk
+    scale = d**-0.5 if scale is None else float(scale)
+    visible = visible or Visibility()
+    if _flex_available(q):
+        with torch.no_grad():
+            best = _flex_max(q, k, scale, visible)
+        if best is not None:
+            return best
+    # logits and mask of one chunk: B * Hq * C * Lk * (4 + 1) bytes
+    per_query = max(b * hq * lk * 5, 1)
+    step = max(1, min(lq, chunk_bytes // per_query))
+    best = torch.full((hq,), float("-inf"), dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for start in range(0, lq, step):
+            stop = min(lq, start + step)
+            keys = visible.key_limit(stop, lk)
+            if keys == 0:
+                continue
+            c = stop - start
+            qc = q[:, :, start:stop].reshape(b, hk, rep * c, d).reshape(b * hk, rep * c, d)
+            kc = k[:, :, :keys].reshape(b * hk, keys, d).transpose(1, 2)
+            logits = _products(qc, kc).view(b, hq, c, keys)
+            logits.mul_(scale)
+            mask = visible.chunk(b, hq, start, stop, keys, q.device)
+            if mask is not None:
+                logits.masked_fill_(~mask, float("-inf"))
+            torch.maximum(best, logits.amax(dim=(0, 2, 3)), out=best)
+    return best
