@@ -19,7 +19,7 @@ import torch.nn.attention.flex_attention as flex  # noqa: E402
 
 from muon_plugin.adapter.qk_clip import QKClipRefused, build_qk_clip  # noqa: E402
 from muon_plugin.param_groups.options import MuonConfig  # noqa: E402
-from muon_plugin.torchtitan03 import cpu  # noqa: E402
+from muon_plugin.torchtitan03 import cpu_mode as cpu  # noqa: E402
 from muon_plugin.torchtitan03.qk_clip import (  # noqa: E402
     describe_attention,
     qk_clip_group,
