@@ -2,7 +2,7 @@
 
 from muon_plugin.optimizer import Muon, MuonForeach
 from muon_plugin.orthogonalize import zeropower
-from muon_plugin.param_groups.rules import muon_param_groups
+from muon_plugin.param_groups.groups import muon_param_groups
 
 __all__ = ["Muon", "MuonForeach", "MuonLP", "muon_param_groups", "zeropower"]
 __version__ = "0.1.0"

@@ -66,7 +66,9 @@ def test_the_option_schema_choices_are_defaults_py_with_the_default_first():
     ):
         listed = typing.get_args(fields[option].type)
         assert sorted(listed) == sorted(allowed) and listed[0] == fields[option].default, option
-    algorithm = typing.get_args(fields["matrix_algorithm"].type)[0]
+    generated = fields["matrix_algorithm"].type  # Annotated[<choices> | None, Doc(help)]
+    assert typing.get_origin(generated) is typing.Annotated
+    algorithm = typing.get_args(typing.get_args(generated)[0])[0]
     assert typing.get_args(algorithm) == D.ALGORITHMS
 
 

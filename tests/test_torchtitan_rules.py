@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+from muon_plugin.param_groups.groups import build_param_groups  # noqa: E402
 from muon_plugin.param_groups.options import MuonConfig  # noqa: E402
 from muon_plugin.param_groups.rules import (  # noqa: E402
     PARAM_CLASSES,
     RuleSet,
-    build_param_groups,
     classify,
     default_class,
     strip_fqn,

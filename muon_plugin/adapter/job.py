@@ -22,8 +22,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from muon_plugin.param_groups.builder import BaseHyperparams, optimizer_setup, with_config_key
+from muon_plugin.param_groups.groups import build_param_groups
 from muon_plugin.param_groups.options import MuonConfig
-from muon_plugin.param_groups.rules import RuleSet, build_param_groups, check_unused_patterns
+from muon_plugin.param_groups.rules import RuleSet, check_unused_patterns
 from muon_plugin.param_groups.rules_table import format_rules_table
 from muon_plugin.qk_clip import QKClip
 

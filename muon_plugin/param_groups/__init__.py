@@ -4,7 +4,7 @@ Imports without torchtitan: every front end (torchtitan releases, TorchTune, pla
 builds its param groups from :mod:`.rules` and reads its options from :mod:`.options`.
 """
 
+from muon_plugin.param_groups.groups import build_param_groups, muon_param_groups
 from muon_plugin.param_groups.options import MUON_CONFIG_KEYS, MuonConfig
-from muon_plugin.param_groups.rules import build_param_groups, muon_param_groups
 
 __all__ = ["MUON_CONFIG_KEYS", "MuonConfig", "build_param_groups", "muon_param_groups"]

@@ -28,11 +28,10 @@ defaults to the optimizer's value, except ``lr_adjust``: the plugins'
 # No "from __future__ import annotations": torchtitan 0.2.2 merges these dataclasses by their
 # field types (make_dataclass + is_dataclass), which must be real classes, not strings.
 import types
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Union, get_args, get_origin
+from dataclasses import dataclass, fields, make_dataclass
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from muon_plugin.defaults import (
-    ALGORITHMS,
     DEFAULTS,
     IMPLEMENTATIONS,
     LR_ADJUSTMENTS,
@@ -48,6 +47,7 @@ from muon_plugin.defaults import (
     STATE_DTYPES,
     STRATEGIES,
 )
+from muon_plugin.param_groups.class_options import choices, class_option_fields
 from muon_plugin.param_groups.rules import RuleSet, invalid_value, is_number
 
 _PREFIX = "optimizer.muon."
@@ -56,16 +56,9 @@ _NORMALIZATION = DEFAULTS["normalization"]
 _RESCALE = DEFAULTS["normuon_rescale"]
 
 
-def choices(allowed: tuple[str, ...], default: str | None = None) -> Any:
-    """The ``Literal`` type of a choice option: ``allowed``, ``default`` first (as ``--help``
-    lists them)."""
-    first = () if default is None else (default,)
-    return Literal[(*first, *(a for a in allowed if a != default))]
-
-
 @dataclass
-class MuonConfig:
-    """Muon optimizer (muon_plugin), used when optimizer.name = "muon"."""
+class MuonOptions:
+    """The options every parameter class shares; :class:`MuonConfig` adds the per-class ones."""
 
     implementation: choices(IMPLEMENTATIONS, PLUGIN_IMPLEMENTATION) = PLUGIN_IMPLEMENTATION
     """'foreach': MuonForeach, batches same-shape matrices (fast). 'per_param': Muon, one
@@ -171,132 +164,6 @@ class MuonConfig:
     alone; 'group' (Megatron) clips each key group by its largest logit, all its query heads
     by gamma^alpha and the key by gamma^(1 - alpha)."""
 
-    # --- matrix: 2-D weight matrices (attention and MLP projections, shared experts)
-    matrix_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'matrix'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    matrix_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'matrix' class; unset (None): muon."""
-
-    matrix_lr: float | None = None
-    """Learning rate of the 'matrix' class; unset (None): optimizer.lr."""
-
-    matrix_weight_decay: float | None = None
-    """Weight decay of the 'matrix' class; unset (None): optimizer.weight_decay."""
-
-    matrix_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'matrix' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- expert: 3-D stacks of MoE expert matrices ([experts, rows, cols])
-    expert_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'expert'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    expert_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'expert' class; unset (None): muon."""
-
-    expert_lr: float | None = None
-    """Learning rate of the 'expert' class; unset (None): optimizer.lr."""
-
-    expert_weight_decay: float | None = None
-    """Weight decay of the 'expert' class; unset (None): optimizer.weight_decay."""
-
-    expert_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'expert' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- router: MoE router / gate matrices (moe.router.gate.weight)
-    router_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'router'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    router_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'router' class; unset (None): adamw."""
-
-    router_lr: float | None = None
-    """Learning rate of the 'router' class; unset (None): optimizer.lr."""
-
-    router_weight_decay: float | None = None
-    """Weight decay of the 'router' class; unset (None): optimizer.weight_decay."""
-
-    router_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'router' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- embedding: token embeddings (tok_embeddings.weight; also a tied output head)
-    embedding_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'embedding'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    embedding_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'embedding' class; unset (None): adamw."""
-
-    embedding_lr: float | None = None
-    """Learning rate of the 'embedding' class; unset (None): optimizer.lr."""
-
-    embedding_weight_decay: float | None = None
-    """Weight decay of the 'embedding' class; unset (None): optimizer.weight_decay."""
-
-    embedding_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'embedding' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- output: the output head (output.weight, untied)
-    output_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'output'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    output_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'output' class; unset (None): adamw."""
-
-    output_lr: float | None = None
-    """Learning rate of the 'output' class; unset (None): optimizer.lr."""
-
-    output_weight_decay: float | None = None
-    """Weight decay of the 'output' class; unset (None): optimizer.weight_decay."""
-
-    output_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'output' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- norm: normalization weights (attention_norm, ffn_norm, q_norm, norm ...)
-    norm_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'norm'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    norm_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'norm' class; unset (None): adamw."""
-
-    norm_lr: float | None = None
-    """Learning rate of the 'norm' class; unset (None): optimizer.lr."""
-
-    norm_weight_decay: float | None = None
-    """Weight decay of the 'norm' class; unset (None): optimizer.weight_decay."""
-
-    norm_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'norm' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
-    # --- other: biases, attention sinks, expert biases and other odd parameters
-    other_patterns: list[str] = field(default_factory=list)
-    """Patterns (glob, or regex with prefix "re:") of parameter FQNs to put in the 'other'
-    class, checked before the default rules; a pattern matching nothing is an error."""
-
-    other_algorithm: choices(ALGORITHMS) | None = None
-    """Algorithm of the 'other' class; unset (None): adamw."""
-
-    other_lr: float | None = None
-    """Learning rate of the 'other' class; unset (None): optimizer.lr."""
-
-    other_weight_decay: float | None = None
-    """Weight decay of the 'other' class; unset (None): optimizer.weight_decay."""
-
-    other_normalization: choices(NORMALIZATIONS) | None = None
-    """Normalization of the 'other' class when it runs Muon ('none' or 'normuon'); unset
-    (None): optimizer.muon.normalization."""
-
     def __post_init__(self) -> None:
         self.validate()
 
@@ -329,6 +196,19 @@ class MuonConfig:
         )
 
 
+MuonConfig = make_dataclass(
+    "MuonConfig",
+    class_option_fields(),
+    bases=(MuonOptions,),
+    namespace={
+        "__doc__": 'Muon optimizer (muon_plugin), used when optimizer.name = "muon".',
+        "__module__": __name__,
+    },
+)
+"""The ``[optimizer.muon]`` options: :class:`MuonOptions` and, per parameter class, the fields
+of :data:`~muon_plugin.param_groups.class_options.CLASS_OPTION_TABLE` (generated, one table)."""
+
+
 FRACTION_OPTIONS = ("momentum", "adam_beta1", "adam_beta2", "normuon_beta2")
 """Number options in [0, 1); every other number option must be >= 0 (or see below)."""
 
@@ -341,6 +221,8 @@ POSITIVE_OPTIONS = ("qk_clip_tau",)
 
 def option_problem(key: str, value: Any, option_type: Any) -> str | None:
     """What an option of ``option_type`` must be when ``value`` is not that; else None."""
+    if get_origin(option_type) is Annotated:  # a generated field: its help is metadata
+        option_type = get_args(option_type)[0]
     if get_origin(option_type) in (Union, types.UnionType):  # optional: None means "unset"
         if value is None:
             return None
