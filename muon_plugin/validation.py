@@ -21,6 +21,7 @@ from muon_plugin.defaults import (
     NORMALIZATIONS,
     NORMUON_RESCALES,
 )
+from muon_plugin.errors import SettingError
 from muon_plugin.group_settings import group_spec
 from muon_plugin.orthogonalize import validate_backend, validate_coefficients, validate_steps
 from muon_plugin.parameters import describe
@@ -64,9 +65,10 @@ def resolve_synonyms(settings: Mapping[str, Any], where: str) -> dict[str, Any]:
             continue
         ours = synonym_of(name, algorithm)
         if ours in out:
-            raise ValueError(
+            raise SettingError(
+                ours,
                 f"{where}: both {name!r} and {ours!r} are given, but they are one setting "
-                f"({name!r} is torch.optim's name for {ours!r}); give only one"
+                f"({name!r} is torch.optim's name for {ours!r}); give only one",
             )
         value = out.pop(name)
         if name == "adjust_lr_fn":
@@ -81,10 +83,11 @@ def torch_lr_adjust(value: Any) -> str:
         return TORCH_LR_ADJUST[value]
     if value in LR_ADJUSTMENTS:
         return value
-    raise ValueError(
+    raise SettingError(
+        "lr_adjust",
         f"Adjust learning rate function {value} is not supported: adjust_lr_fn must be one of "
         f"{sorted(k for k in TORCH_LR_ADJUST if k)} or None (or lr_adjust one of "
-        f"{LR_ADJUSTMENTS})"
+        f"{LR_ADJUSTMENTS})",
     )
 
 
@@ -93,10 +96,11 @@ def check_group_keys(group: Mapping[str, Any], index: int) -> None:
     unknown = set(group) - set(DEFAULTS) - TORCH_GROUP_KEYS
     if unknown:
         key = sorted(unknown)[0]
-        raise ValueError(
+        raise SettingError(
+            key,
             f"param group {index}: unknown key {key!r}; known keys: "
             f"{sorted(set(DEFAULTS) | {'params'})} and torch.optim's names "
-            f"{sorted(SYNONYMS)}"
+            f"{sorted(SYNONYMS)}",
         )
 
 
@@ -128,25 +132,28 @@ def validate_number(key: str, value: Any) -> None:
     number = value
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(
+            raise SettingError(
+                key,
                 f"Tensor {key} must be 1-element (a number or a one-element Tensor), got "
-                f"a Tensor of shape {tuple(value.shape)}"
+                f"a Tensor of shape {tuple(value.shape)}",
             )
         number = value.item()
     if not isinstance(number, (int, float)) or math.isnan(number) or number < 0:
-        raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        raise SettingError(key, f"{key} must be a number >= 0, got {value!r}")
 
 
 def validate_group(group: Mapping[str, Any]) -> None:
     """Raise ValueError naming the key, value or parameter that makes ``group`` unusable."""
     algorithm = group["algorithm"]
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        raise SettingError(
+            "algorithm", f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}"
+        )
     for key in NUMBER_KEYS:
         validate_number(key, group[key])
     betas = group["adam_betas"]
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
+        raise SettingError("adam_betas", f"adam_betas must be two numbers in [0, 1), got {betas!r}")
     if algorithm == "muon":
         validate_muon_settings(group)
         for i, p in enumerate(group["params"]):
@@ -156,29 +163,34 @@ def validate_group(group: Mapping[str, Any]) -> None:
 def validate_muon_settings(group: Mapping[str, Any]) -> None:
     """Raise ValueError naming the Muon setting of ``group`` that cannot run."""
     if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']!r}")
+        raise SettingError("momentum", f"momentum must be in [0, 1), got {group['momentum']!r}")
     validate_steps(group["ns_steps"], group["orthogonalization_strategy"])
     validate_coefficients(group["ns_coefficients"])
     validate_backend(group["backend"])
     if group["lr_adjust"] not in LR_ADJUSTMENTS:
-        raise ValueError(
-            f"unknown lr_adjust {group['lr_adjust']!r}; expected one of {LR_ADJUSTMENTS}"
+        raise SettingError(
+            "lr_adjust",
+            f"unknown lr_adjust {group['lr_adjust']!r}; expected one of {LR_ADJUSTMENTS}",
         )
     if group["normalization"] not in NORMALIZATIONS:
-        raise ValueError(
-            f"unknown normalization {group['normalization']!r}; expected one of {NORMALIZATIONS}"
+        raise SettingError(
+            "normalization",
+            f"unknown normalization {group['normalization']!r}; expected one of {NORMALIZATIONS}",
         )
     beta2 = group["normuon_beta2"]
     if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"normuon_beta2 must be a number in [0, 1), got {beta2!r}")
+        raise SettingError(
+            "normuon_beta2", f"normuon_beta2 must be a number in [0, 1), got {beta2!r}"
+        )
     if group["normuon_rescale"] not in NORMUON_RESCALES:
-        raise ValueError(
+        raise SettingError(
+            "normuon_rescale",
             f"unknown normuon_rescale {group['normuon_rescale']!r}; expected one of "
-            f"{NORMUON_RESCALES}"
+            f"{NORMUON_RESCALES}",
         )
     split = group["split_sizes"]
     if split is not None and (not split or not all(isinstance(s, int) and s > 0 for s in split)):
-        raise ValueError(f"split_sizes must be positive integers, got {split!r}")
+        raise SettingError("split_sizes", f"split_sizes must be positive integers, got {split!r}")
 
 
 def validate_muon_param(group: Mapping[str, Any], i: int, p: Tensor) -> None:

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "muon_plugin"
 
 LAYERS = {
     "defaults": 0,
+    "errors": 0,
     "kernels": 1,
     "orthogonalize": 2,
     "distributed": 3,

@@ -19,6 +19,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
 import muon_plugin.torchtitan  # noqa: E402,F401  (installs the hooks)
+from muon_plugin.errors import SettingError  # noqa: E402
 from muon_plugin.torchtitan import register  # noqa: E402
 from muon_plugin.torchtitan.builder import with_config_key  # noqa: E402
 from muon_plugin.torchtitan.summary import install_on  # noqa: E402
@@ -169,12 +170,15 @@ def test_errors_name_the_job_key() -> None:
         build(model, "--optimizer.name", "muon", "--optimizer.lr=-1")
     with pytest.raises(ValueError, match=r"^optimizer\.beta2: invalid value 1\.5"):
         build(model, "--optimizer.name", "muon", "--optimizer.beta2", "1.5")
-    e = with_config_key(ValueError("lr must be a number >= 0, got -1"))
+    # The optimizer's errors carry their key; the job's spelling comes from a table.
+    e = with_config_key(SettingError("lr", "lr must be a number >= 0, got -1"))
     assert str(e).startswith("optimizer.lr (or optimizer.muon.<class>_lr): lr must")
-    e = with_config_key(ValueError("momentum must be in [0, 1), got 2"))
+    e = with_config_key(SettingError("momentum", "momentum must be in [0, 1), got 2"))
     assert str(e).startswith("optimizer.muon.momentum: ")
-    e = with_config_key(ValueError("adam_betas must be two numbers in [0, 1)"))
+    e = with_config_key(SettingError("adam_betas", "adam_betas must be two numbers in [0, 1)"))
     assert str(e).startswith("optimizer.beta1 / optimizer.beta2")
+    e = with_config_key(ValueError("no key"))  # an error that names no setting: the section
+    assert str(e) == "optimizer.muon: no key"
 
 
 def test_custom_builder_with_a_none_config() -> None:

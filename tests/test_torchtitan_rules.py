@@ -219,7 +219,7 @@ def test_param_groups_per_class_settings() -> None:
 
 def test_muon_on_vectors_is_an_error() -> None:
     named = list(debug_model("llama3").named_parameters())
-    with pytest.raises(ValueError, match=r"norm_algorithm = 'muon'.*fewer than 2 dimensions"):
+    with pytest.raises(ValueError, match=r"norm_algorithm: 'muon' but .*fewer than 2 dimensions"):
         build_param_groups(named, rules_with(norm_algorithm="muon"), lr=1e-3, weight_decay=0.0)
 
 

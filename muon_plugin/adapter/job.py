@@ -141,18 +141,22 @@ def format_qk_clip_settings(cfg: MuonConfig) -> str:
 
 
 def build_job_optimizers(
-    parts: Sequence[nn.Module | NamedParameters], cfg: MuonConfig, base: BaseHyperparams
+    parts: Sequence[nn.Module | NamedParameters],
+    cfg: MuonConfig,
+    base: BaseHyperparams,
+    option_prefix: str = "optimizer.muon.",
 ) -> JobOptimizers:
     """One optimizer per model part with the param groups the options' rules give.
 
-    ``parts``: modules, or each part's ``(name, parameter)`` pairs. Only parameters that
+    ``parts``: modules, or each part's ``(name, parameter)`` pairs; ``option_prefix``: how the
+    front end writes the options' names in errors. Only parameters that
     require grad are optimized. Every group carries ``param_names`` (wrapper-free FQNs), which
     FQN-keyed checkpoints need. Raises ValueError (or TypeError) naming the
     ``optimizer.muon.*`` key of an invalid option or of a pattern that matches no parameter in
     any part.
     """
     cfg.validate()
-    rules = cfg.rules()
+    rules = cfg.rules(option_prefix)
     optimizer_cls, kwargs = optimizer_setup(cfg, base)
     optimizers: list[Optimizer] = []
     group_classes: list[list[str]] = []

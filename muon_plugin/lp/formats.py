@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from muon_plugin.defaults import LP_STATE_DTYPES
+from muon_plugin.errors import SettingError
 from muon_plugin.lp.bf16 import Bf16Codec
 from muon_plugin.lp.codec import MomentumCodec
 from muon_plugin.lp.fp8 import Fp8Codec
@@ -52,11 +53,15 @@ def require_torchao(state_dtype: str) -> None:
 def validate_state_dtype(state_dtype: object, block_size: object) -> int:
     """Check ``state_dtype`` and ``block_size``; return the block size to use (0 for bf16)."""
     if state_dtype not in LP_STATE_DTYPES:
-        raise ValueError(f"unknown state_dtype {state_dtype!r}; expected one of {LP_STATE_DTYPES}")
+        raise SettingError(
+            "state_dtype", f"unknown state_dtype {state_dtype!r}; expected one of {LP_STATE_DTYPES}"
+        )
     if block_size is not None and (
         isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
     ):
-        raise ValueError(f"block_size must be a positive integer or None, got {block_size!r}")
+        raise SettingError(
+            "block_size", f"block_size must be a positive integer or None, got {block_size!r}"
+        )
     cls = CODECS[state_dtype]
     if not cls.quantized:
         return 0  # unused: no blocks

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from muon_plugin.defaults import BACKENDS
+from muon_plugin.errors import SettingError
 from muon_plugin.kernels import triton_available
 from muon_plugin.orthogonalize.coefficients import Schedule, coefficient_schedule
 from muon_plugin.orthogonalize.graphs import GraphedOrthogonalization, use_cuda_graph
@@ -301,15 +302,18 @@ def _split(name: str) -> tuple[str, frozenset[str]]:
     for modifier in filter(None, (m.strip() for m in modifiers.split(","))):
         feature = modifier.removeprefix("no-")
         if not modifier.startswith("no-") or feature not in FEATURE_NAMES:
-            raise ValueError(
+            raise SettingError(
+                "backend",
                 f"unknown backend {name!r}: {modifier!r} is no modifier; expected 'no-<feature>' "
-                f"with a feature of {FEATURE_NAMES}, e.g. 'auto:no-gram,no-tma'"
+                f"with a feature of {FEATURE_NAMES}, e.g. 'auto:no-gram,no-tma'",
             )
         off.add(feature)
     if base not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+        raise SettingError(
+            "backend", f"unknown backend {name!r}; expected one of {backend_names()}"
+        )
     if ":" in name and not off:
-        raise ValueError(f"unknown backend {name!r}: no modifier after ':'")
+        raise SettingError("backend", f"unknown backend {name!r}: no modifier after ':'")
     return base, frozenset(off)
 
 
@@ -323,7 +327,9 @@ def validate_backend(name: Any) -> None:
     """Raise ValueError naming ``backend`` and the known names unless ``name`` is one (with
     modifiers that apply to it)."""
     if not isinstance(name, str):
-        raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+        raise SettingError(
+            "backend", f"unknown backend {name!r}; expected one of {backend_names()}"
+        )
     get_backend(name)
 
 
@@ -349,16 +355,19 @@ def get_backend(name: str) -> Backend:
     if found is not None:
         return found
     if not isinstance(name, str):
-        raise ValueError(f"unknown backend {name!r}; expected one of {backend_names()}")
+        raise SettingError(
+            "backend", f"unknown backend {name!r}; expected one of {backend_names()}"
+        )
     base, off = _split(name)
     backend = _REGISTRY[base]
     if off and isinstance(backend, IterationBackend):
         backend = backend.without(off)
     elif off:
         if off != {"triton"}:
-            raise ValueError(
+            raise SettingError(
+                "backend",
                 f"unknown backend {name!r}: backend {base!r} does not run the built-in "
-                "iteration; only 'no-triton' (its elementwise kernels) applies to it"
+                "iteration; only 'no-triton' (its elementwise kernels) applies to it",
             )
         backend = _WithoutElementwiseKernels(backend)
     _BY_NAME[name] = backend

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from muon_plugin.defaults import MAX_NS_STEPS, NS_EPS, STRATEGIES
+from muon_plugin.errors import SettingError
 
 Coefficients = tuple[float, float, float]
 
@@ -66,13 +67,15 @@ class Schedule:
 def validate_steps(steps: object, strategy: object) -> None:
     """Raise ValueError unless ``strategy`` is known and can run ``steps`` iterations."""
     if strategy not in STRATEGIES:
-        raise ValueError(
-            f"unknown orthogonalization_strategy {strategy!r}; expected one of {STRATEGIES}"
+        raise SettingError(
+            "orthogonalization_strategy",
+            f"unknown orthogonalization_strategy {strategy!r}; expected one of {STRATEGIES}",
         )
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < MAX_STEPS:
-        raise ValueError(
+        raise SettingError(
+            "ns_steps",
             f"ns_steps={steps!r} cannot be run by {strategy!r}: "
-            f"it needs an integer number of steps in [1, {MAX_STEPS})"
+            f"it needs an integer number of steps in [1, {MAX_STEPS})",
         )
 
 
@@ -89,8 +92,9 @@ def validate_coefficients(coefficients: object) -> None:
         )
     )
     if not ok:
-        raise ValueError(
-            f"ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}"
+        raise SettingError(
+            "ns_coefficients",
+            f"ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}",
         )
 
 

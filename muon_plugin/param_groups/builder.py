@@ -9,17 +9,21 @@ the optimizer class and its constructor arguments (the adapter core,
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim import Optimizer
 
+from muon_plugin.errors import SettingError
 from muon_plugin.param_groups.options import MuonConfig
 
 __all__ = [
-    "CONFIG_KEYS",
+    "OPTION_CORE_KEYS",
+    "TORCHTITAN_KEYS",
     "BaseHyperparams",
+    "KeySpelling",
+    "core_keys",
     "low_precision_kwargs",
     "optimizer_kwargs",
     "optimizer_setup",
@@ -78,38 +82,68 @@ def optimizer_kwargs(base: BaseHyperparams, cfg: MuonConfig) -> dict[str, Any]:
     }
 
 
-# Constructor / group keys of the optimizer core -> the job keys they come from.
-CONFIG_KEYS: dict[str, str] = {
-    "lr": "optimizer.lr (or optimizer.muon.<class>_lr)",
-    "wd": "optimizer.weight_decay (or optimizer.muon.<class>_weight_decay)",
-    "adam_eps": "optimizer.eps (or optimizer.muon.adam_eps)",
-    "adam_betas": "optimizer.beta1 / optimizer.beta2 (or optimizer.muon.adam_beta1 / adam_beta2)",
-    "momentum": "optimizer.muon.momentum",
-    "ns_steps": "optimizer.muon.ns_steps",
-    "steps": "optimizer.muon.ns_steps",
-    "orthogonalization_strategy": "optimizer.muon.orthogonalization",
-    "strategy": "optimizer.muon.orthogonalization",
-    "lr_adjust": "optimizer.muon.lr_adjust",
-    "state_dtype": "optimizer.muon.state_dtype",
-    "block_size": "optimizer.muon.block_size",
-    "skip_nonfinite": "optimizer.muon.skip_nonfinite",
-    "flatten": "optimizer.muon.flatten",
-    "backend": "optimizer.muon.backend",
-    "normuon_beta2": "optimizer.muon.normuon_beta2",
-    "normuon_eps": "optimizer.muon.normuon_eps",
-    "normuon_rescale": "optimizer.muon.normuon_rescale",
-    "normalization": "optimizer.muon.normalization (or optimizer.muon.<class>_normalization)",
-    "algorithm": "optimizer.muon.<class>_algorithm",
-}
+@dataclass(frozen=True)
+class KeySpelling:
+    """How a front end spells the settings it reads, for errors: by the error's key and kind
+    (:class:`~muon_plugin.errors.SettingError`), never by its text."""
+
+    options: str
+    """The section of the ``[optimizer.muon]`` options: ``"optimizer.muon"``."""
+    core: Mapping[str, str]
+    """Optimizer arguments / group keys -> the job keys they come from."""
+    job: Mapping[str, str] = field(default_factory=dict)
+    """The front end's own optimizer fields that it spells otherwise than ``section.field``."""
+
+    def spell(self, error: Exception) -> Exception:
+        """``error`` with its setting spelled this front end's way (an error that names no
+        setting gets the options' section in front)."""
+        if not isinstance(error, SettingError):
+            return type(error)(f"{self.options}: {error}")
+        if error.kind == "core":
+            return error.spelled(self.core.get(error.key, self.options))
+        if error.kind == "option":
+            return error.spelled(f"{self.options}.{error.key}")
+        return error.spelled(self.job.get(error.key, error.where))
+
+
+def core_keys(options: str, job: str, beta: str, eps: str) -> dict[str, str]:
+    """The optimizer's keys spelled as a front end with options section ``options`` and job
+    section ``job`` names their sources (``beta``, ``eps``: its names for the Adam betas and
+    eps)."""
+    own = {key: f"{options}.{key}" for key in OPTION_CORE_KEYS}
+    return {
+        **own,
+        "lr": f"{job}.lr (or {options}.<class>_lr)",
+        "wd": f"{job}.weight_decay (or {options}.<class>_weight_decay)",
+        "adam_eps": f"{eps} (or {options}.adam_eps)",
+        "adam_betas": f"{beta} (or {options}.adam_beta1 / adam_beta2)",
+        "steps": f"{options}.ns_steps",
+        "orthogonalization_strategy": f"{options}.orthogonalization",
+        "strategy": f"{options}.orthogonalization",
+        "normalization": f"{options}.normalization (or {options}.<class>_normalization)",
+        "algorithm": f"{options}.<class>_algorithm",
+    }
+
+
+OPTION_CORE_KEYS = (
+    "momentum", "ns_steps", "lr_adjust", "state_dtype", "block_size", "skip_nonfinite",
+    "flatten", "backend", "normuon_beta2", "normuon_eps", "normuon_rescale",
+)  # fmt: skip
+"""Optimizer arguments that are options of the same name."""
+
+TORCHTITAN_KEYS = KeySpelling(
+    options="optimizer.muon",
+    core=core_keys(
+        "optimizer.muon", "optimizer", "optimizer.beta1 / optimizer.beta2", "optimizer.eps"
+    ),
+)
+"""torchtitan's spelling (both releases): ``[optimizer]`` and ``[optimizer.muon]``."""
 
 
 def with_config_key(error: Exception) -> Exception:
-    """``error`` (raised by the optimizer core) with the job key it comes from in front."""
-    message = str(error)
-    for name, key in CONFIG_KEYS.items():
-        if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message):
-            return type(error)(f"{key}: {message}")
-    return type(error)(f"optimizer.muon: {message}")
+    """``error`` (raised by the optimizer core or the options) spelled as torchtitan's job
+    keys (:data:`TORCHTITAN_KEYS`)."""
+    return TORCHTITAN_KEYS.spell(error)
 
 
 def low_precision_kwargs(cfg: MuonConfig) -> dict[str, Any]:

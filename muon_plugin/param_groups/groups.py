@@ -17,6 +17,7 @@ from muon_plugin.param_groups.rules import (
     RuleSet,
     classify,
     is_number,
+    option_error,
 )
 
 __all__ = ["build_param_groups", "muon_param_groups"]
@@ -51,10 +52,11 @@ def build_param_groups(
         if s.algorithm == "muon":
             bad = [n for n, p in zip(classified.names[c], ps, strict=True) if p.ndim < 2]
             if bad:
-                raise ValueError(
-                    f"{rules.option_prefix}{c}_algorithm = 'muon' but class {c!r} holds "
-                    f"parameters with fewer than 2 dimensions, e.g. {bad[0]!r}; Muon "
-                    "only updates matrices"
+                raise option_error(
+                    rules.option_prefix,
+                    f"{c}_algorithm",
+                    f"'muon' but class {c!r} holds parameters with fewer than 2 dimensions, "
+                    f"e.g. {bad[0]!r}; Muon only updates matrices",
                 )
         group: dict[str, Any] = {
             "params": list(ps),

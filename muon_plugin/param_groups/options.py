@@ -50,7 +50,8 @@ from muon_plugin.defaults import (
 from muon_plugin.param_groups.class_options import choices, class_option_fields
 from muon_plugin.param_groups.rules import RuleSet, invalid_value, is_number
 
-_PREFIX = "optimizer.muon."
+_SECTION = "optimizer.muon"
+_PREFIX = _SECTION + "."
 _STRATEGY = DEFAULTS["orthogonalization_strategy"]
 _NORMALIZATION = DEFAULTS["normalization"]
 _RESCALE = DEFAULTS["normuon_rescale"]
@@ -177,7 +178,7 @@ class MuonOptions:
             value = getattr(self, f.name)
             expected = option_problem(f.name, value, f.type)
             if expected is not None:
-                raise invalid_value(_PREFIX + f.name, value, expected)
+                raise invalid_value(_SECTION, f.name, value, expected)
         from muon_plugin.orthogonalize import backend_names, validate_backend
 
         try:
@@ -186,13 +187,14 @@ class MuonOptions:
             expected = "one of " + ", ".join(map(repr, backend_names()))
             if ":" in str(self.backend):
                 expected += f", with modifiers such as 'auto:no-gram' ({e})"
-            raise invalid_value(_PREFIX + "backend", self.backend, expected) from None
+            raise invalid_value(_SECTION, "backend", self.backend, expected) from None
         self.rules()
 
-    def rules(self) -> RuleSet:
-        """The param-group rules these settings describe."""
+    def rules(self, option_prefix: str = _PREFIX) -> RuleSet:
+        """The param-group rules these settings describe (errors spell the options with
+        ``option_prefix``: a front end's section)."""
         return RuleSet.from_options(
-            {f.name: getattr(self, f.name) for f in fields(self)}, option_prefix=_PREFIX
+            {f.name: getattr(self, f.name) for f in fields(self)}, option_prefix=option_prefix
         )
 
 
@@ -285,13 +287,13 @@ def validate_job_optimizer(
     """
     for key, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):
         if not is_number(value) or not value >= 0 or value == float("inf"):
-            raise invalid_value(f"{section}.{key}", value, "a finite number >= 0")
+            raise invalid_value(section, key, value, "a finite number >= 0", "job")
     for key, value in (("beta1", beta1), ("beta2", beta2)):
         if not is_number(value) or not 0.0 <= value < 1.0:
-            raise invalid_value(f"{section}.{key}", value, "a number in [0, 1)")
+            raise invalid_value(section, key, value, "a number in [0, 1)", "job")
     if implementation not in JOB_IMPLEMENTATIONS:
         expected = "one of " + ", ".join(map(repr, JOB_IMPLEMENTATIONS))
-        raise invalid_value(f"{section}.implementation", implementation, expected)
+        raise invalid_value(section, "implementation", implementation, expected, "job")
 
 
 MUON_CONFIG_KEYS = tuple(f.name for f in fields(MuonConfig))

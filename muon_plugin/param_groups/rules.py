@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muon_plugin.defaults import ALGORITHMS, NORMALIZATIONS
+from muon_plugin.errors import SettingError
 
 PARAM_CLASSES: tuple[str, ...] = (
     "matrix",
@@ -101,9 +102,18 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def invalid_value(key: str, value: Any, expected: str) -> ValueError:
-    """The error for an option ``key`` whose ``value`` is not what it must be."""
-    return ValueError(f"{key}: invalid value {value!r}; expected {expected}")
+def invalid_value(
+    section: str, key: str, value: Any, expected: str, kind: str = "option"
+) -> SettingError:
+    """The error for the setting ``key`` of ``section`` (``"optimizer.muon"``; ``""``: none)
+    whose ``value`` is not what it must be."""
+    where = f"{section}.{key}" if section else key
+    return SettingError(key, f"invalid value {value!r}; expected {expected}", where, kind)
+
+
+def option_error(prefix: str, key: str, problem: str) -> SettingError:
+    """The error for the option ``key`` spelled with ``prefix`` (``"optimizer.muon."``)."""
+    return SettingError(key, problem, f"{prefix}{key}", "option")
 
 
 def strip_fqn(name: str) -> str:
@@ -220,28 +230,27 @@ class RuleSet:
     def _check(self, c: str, s: ClassSettings) -> None:
         """Raise ValueError naming ``<prefix><c>_algorithm``, ``_patterns`` or
         ``_normalization`` when invalid."""
+        section = self.option_prefix.rstrip(".")
         if s.algorithm not in ALGORITHMS:
             expected = "one of " + ", ".join(map(repr, ALGORITHMS))
-            raise invalid_value(f"{self.option_prefix}{c}_algorithm", s.algorithm, expected)
+            raise invalid_value(section, f"{c}_algorithm", s.algorithm, expected)
         if s.normalization is not None and s.normalization not in NORMALIZATIONS:
             expected = "one of " + ", ".join(map(repr, NORMALIZATIONS))
-            key = f"{self.option_prefix}{c}_normalization"
-            raise invalid_value(key, s.normalization, expected)
+            raise invalid_value(section, f"{c}_normalization", s.normalization, expected)
         if s.normalization not in (None, "none") and s.algorithm != "muon":
-            raise ValueError(
-                f"{self.option_prefix}{c}_normalization = {s.normalization!r} but "
-                f"{self.option_prefix}{c}_algorithm is {s.algorithm!r}: the normalization "
-                "applies to Muon updates only"
+            raise option_error(
+                self.option_prefix,
+                f"{c}_normalization",
+                f"{s.normalization!r} but {c}_algorithm is {s.algorithm!r}: the normalization "
+                "applies to Muon updates only",
             )
         if not isinstance(s.patterns, (list, tuple)):
-            raise invalid_value(
-                f"{self.option_prefix}{c}_patterns", s.patterns, "a list of strings"
-            )
+            raise invalid_value(section, f"{c}_patterns", s.patterns, "a list of strings")
         for p in s.patterns:
             try:
                 Pattern(p)
             except ValueError as e:
-                raise ValueError(f"{self.option_prefix}{c}_patterns: {e}") from None
+                raise option_error(self.option_prefix, f"{c}_patterns", str(e)) from None
 
 
 @dataclass
@@ -291,9 +300,11 @@ def classify(
                     if c not in hits:
                         hits.append(c)
         if len(hits) > 1:
-            raise ValueError(
+            raise option_error(
+                rules.option_prefix,
+                f"{hits[0]}_patterns",
                 f"parameter {stripped!r} is matched by patterns of several classes: "
-                + ", ".join(f"{rules.option_prefix}{c}_patterns" for c in hits)
+                + ", ".join(f"{c}_patterns" for c in hits),
             )
         cls = hits[0] if hits else default_class(stripped, p.ndim)
         names[cls].append(name)
@@ -310,8 +321,10 @@ def check_unused_patterns(rules: RuleSet, used: set[tuple[str, str]]) -> None:
     for c in PARAM_CLASSES:
         for text in rules.classes[c].patterns:
             if (c, text) not in used:
-                raise ValueError(
-                    f"{rules.option_prefix}{c}_patterns: pattern {text!r} matches no "
-                    "parameter (names are matched without the _orig_mod. / "
-                    "_checkpoint_wrapped_module. / _fsdp_wrapped_module. components)"
+                raise option_error(
+                    rules.option_prefix,
+                    f"{c}_patterns",
+                    f"pattern {text!r} matches no parameter (names are matched without the "
+                    "_orig_mod. / _checkpoint_wrapped_module. / _fsdp_wrapped_module. "
+                    "components)",
                 )

@@ -26,11 +26,12 @@ from muon_plugin.adapter.job import JobOptimizers, build_job_optimizers
 from muon_plugin.adapter.resume import keep_job_settings_on_load
 from muon_plugin.param_groups.rules import strip_fqn
 from muon_plugin.torchtune.options import (
+    OPTION_PREFIX,
     SECTION,
     OptimizerSection,
     TorchtuneConfigError,
+    config_error,
     parse_optimizer_section,
-    yaml_keys,
 )
 
 __all__ = ["build_muon", "job_of", "muon", "named_parameters"]
@@ -78,9 +79,9 @@ def build_muon(named: list[tuple[str, torch.Tensor]], section: OptimizerSection)
     refuses) raise :class:`TorchtuneConfigError` naming ``optimizer.<key>``.
     """
     try:
-        job = build_job_optimizers([named], section.muon, section.base)
-    except (TypeError, ValueError) as e:  # the core names torchtitan's keys: spell this section's
-        raise TorchtuneConfigError(yaml_keys(str(e))) from None
+        job = build_job_optimizers([named], section.muon, section.base, OPTION_PREFIX)
+    except (TypeError, ValueError) as e:  # spelled by key as this section spells it
+        raise config_error(e) from None
     keep_job_settings_on_load(job, lr_from="job", log=log)
     setattr(job.optimizers[0], _JOB_ATTRIBUTE, job)
     return job

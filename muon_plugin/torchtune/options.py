@@ -12,13 +12,12 @@ is restated here. Errors name the YAML key, ``optimizer.<key>``.
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from muon_plugin.defaults import DEFAULTS
-from muon_plugin.param_groups.builder import BaseHyperparams
+from muon_plugin.param_groups.builder import BaseHyperparams, KeySpelling, core_keys
 from muon_plugin.param_groups.options import (
     MUON_CONFIG_KEYS,
     MuonConfig,
@@ -32,7 +31,8 @@ __all__ = [
     "OptimizerSection",
     "TorchtuneConfigError",
     "parse_optimizer_section",
-    "yaml_keys",
+    "TORCHTUNE_KEYS",
+    "config_error",
 ]
 
 SECTION = "optimizer"
@@ -44,27 +44,25 @@ BASE_KEYS: tuple[str, ...] = ("lr", "weight_decay", "betas", "eps", "fused")
 OPTION_KEYS: tuple[str, ...] = BASE_KEYS + MUON_CONFIG_KEYS
 """Every key the ``optimizer:`` section accepts besides ``_component_``."""
 
-# Messages of the shared schema and builder name torchtitan's keys; these are the torchtune
-# section's spellings of the same settings.
-_RENAMES: tuple[tuple[str, str], ...] = (
-    ("optimizer.beta1 / optimizer.beta2", f"{SECTION}.betas"),
-    ("optimizer.beta1", f"{SECTION}.betas[0]"),
-    ("optimizer.beta2", f"{SECTION}.betas[1]"),
-    ("optimizer.muon.<class>_", f"{SECTION}.<class>_"),
-    ("optimizer.muon.", f"{SECTION}."),
-    ("optimizer.muon:", f"{SECTION}:"),
+TORCHTUNE_KEYS = KeySpelling(
+    options=SECTION,
+    core=core_keys(SECTION, SECTION, f"{SECTION}.betas", f"{SECTION}.eps"),
+    job={"beta1": f"{SECTION}.betas[0]", "beta2": f"{SECTION}.betas[1]"},
 )
+"""The section's spelling of every setting: the Muon options flat beside torch.optim's names."""
+
+OPTION_PREFIX = f"{SECTION}."
+"""How the section's option names are written (``optimizer.ns_steps``)."""
 
 
 class TorchtuneConfigError(ValueError):
     """A setting of the torchtune config that Muon cannot run with; the message names the key."""
 
 
-def yaml_keys(message: str) -> str:
-    """``message`` with the shared schema's key names spelled as in the torchtune section."""
-    for old, new in _RENAMES:
-        message = re.sub(rf"(?<![\w.]){re.escape(old)}", new, message)
-    return message
+def config_error(error: Exception) -> TorchtuneConfigError:
+    """``error`` (a :class:`~muon_plugin.errors.SettingError` of the schema or the optimizer)
+    naming its setting as this section does."""
+    return TorchtuneConfigError(str(TORCHTUNE_KEYS.spell(error)))
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,7 @@ def parse_optimizer_section(options: Mapping[str, Any]) -> OptimizerSection:
         )
         muon = MuonConfig(**{k: v for k, v in options.items() if k in MUON_CONFIG_KEYS})
     except (TypeError, ValueError) as e:
-        raise TorchtuneConfigError(yaml_keys(str(e))) from None
+        raise config_error(e) from None
     base = BaseHyperparams(
         lr=float(lr),
         weight_decay=float(weight_decay),

@@ -146,11 +146,11 @@ def test_normuon_options(cfg, model) -> None:
         ({"fused": "yes"}, "optimizer.fused: invalid value 'yes'"),
         ({"orthogonalization": "svd"}, "optimizer.orthogonalization: invalid value 'svd'"),
         ({"matrix_patterns": ["nothing.*"]}, "optimizer.matrix_patterns: pattern 'nothing.*'"),
-        ({"norm_algorithm": "muon"}, "optimizer.norm_algorithm = 'muon' but class 'norm'"),
+        ({"norm_algorithm": "muon"}, "optimizer.norm_algorithm: 'muon' but class 'norm'"),
         (
             {"embedding_patterns": ["output.*"], "output_patterns": ["output.weight"]},
-            "parameter 'output.weight' is matched by patterns of several classes: "
-            "optimizer.embedding_patterns, optimizer.output_patterns",
+            "optimizer.embedding_patterns: parameter 'output.weight' is matched by patterns of "
+            "several classes: embedding_patterns, output_patterns",
         ),
     ],
 )
