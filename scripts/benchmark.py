@@ -44,9 +44,9 @@ Prints its tables; only with ``--results PATH`` does it write them, into its own
 that file (between ``<!-- benchmark:start -->`` and ``<!-- benchmark:end -->``), keeping
 everything else in the file.
 
-The code is the package ``scripts/bench/``, one module per job: the rows in ``rows.py`` (peers
-in ``peers.py``), the workloads in ``workloads.py``, one module per section, the report in
-``tables.py``, ``summary.py`` and ``report.py`` (its docstring lists them all).
+The code is the package ``scripts/bench/``, one module per job (its ``__init__.py`` lists them):
+the rows in ``rows.py`` (the peers' in ``peers.py``), the workloads in ``workloads.py``, one
+module per section, the report in ``tables.py``, ``summary.py`` and ``report.py``.
 """
 
 from __future__ import annotations
