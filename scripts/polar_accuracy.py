@@ -41,9 +41,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for benchmark
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for the bench package
 
-from benchmark import ORTHO_SHAPES, exact_polar, low_rank_plus_noise, scale_shape  # noqa: E402
+from bench.accuracy import exact_polar, low_rank_plus_noise  # noqa: E402
+from bench.config import scale_shape  # noqa: E402
+from bench.ortho import ORTHO_SHAPES  # noqa: E402
 
 import muon_plugin.orthogonalize.iterations as iterations  # noqa: E402
 from muon_plugin.orthogonalize import IterationPath, Schedule, run_iteration, zeropower  # noqa: E402

@@ -2,11 +2,12 @@
 
     python scripts/profile_step.py --workload gpt --steps 5 [--trace trace.json]
 
-Builds one of ``benchmark.py``'s workloads (fp32 params and grads), warms the optimizer up, then
-profiles ``--steps`` steps and prints, per step: the wall time (CUDA events), the time some
-kernel was running on the GPU (the union of kernel intervals: the rest is the GPU waiting for
-the host or for a dependency), the summed kernel time over all streams, the kernel count, and
-the kernels grouped by name with their share. ``--trace`` also writes a Chrome trace.
+Builds one of ``benchmark.py``'s workloads (``scripts/bench/workloads.py``; fp32 params and
+grads), warms the optimizer up, then profiles ``--steps`` steps and prints, per step: the wall
+time (CUDA events), the time some kernel was running on the GPU (the union of kernel intervals:
+the rest is the GPU waiting for the host or for a dependency), the summed kernel time over all
+streams, the kernel count, and the kernels grouped by name with their share. ``--trace`` also
+writes a Chrome trace.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmark import LR, WD, gpt_shapes, llama_shapes, make_workload  # noqa: E402
+from bench.config import LR, WD  # noqa: E402
+from bench.workloads import gpt_shapes, llama_shapes, make_workload  # noqa: E402
 
 from muon_plugin import MuonForeach, MuonLP  # noqa: E402
 

@@ -209,3 +209,15 @@ def test_repeated_class_names_are_found(tmp_path: Path) -> None:
         },
     )
     assert repeated_class_names(pkg) == {"Plan": ["pkg.a", "pkg.b"]}  # nested ones are scoped
+
+
+BENCHMARK = PACKAGE.parent / "scripts" / "bench"
+"""The benchmark behind ``scripts/benchmark.py``: not part of the package, held to its rules."""
+
+
+def test_the_benchmark_package_keeps_the_same_rules() -> None:
+    assert len(modules(BENCHMARK)) > 10
+    assert not import_cycles(BENCHMARK), import_cycles(BENCHMARK)
+    too_long = long_modules(BENCHMARK)
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(too_long)
+    assert not repeated_class_names(BENCHMARK), repeated_class_names(BENCHMARK)
