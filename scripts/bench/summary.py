@@ -9,7 +9,8 @@ from bench.kernels import kernel_line
 from bench.ortho import ortho_line
 from bench.tables import peak_over_state
 
-# Peer numbers measured on one H200 (shared/notes/anchors.md), for the summary of a full GPU run.
+# Peer numbers measured earlier on one H200, for the summary of a full GPU run (a reminder of
+# the peers' order of magnitude, not a measurement of this run).
 ANCHORS_MS = {
     "llama3-8b-4L": {
         "torch.optim.Muon (2.11)": 146.0,
@@ -92,7 +93,8 @@ def summary_step(rows: list[dict], cfg: Config) -> list[str]:
         lines.append("  peers skipped: " + ", ".join(peers))
     if cfg.full:
         lines += [
-            f"  anchors.md ({wl}, H200): " + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
+            f"  earlier peer figures ({wl}, one H200): "
+            + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
             for wl, anchors in ANCHORS_MS.items()
         ]
     floors = {r["workload"]: r.get("floor_ms") for r in rows}
