@@ -11,7 +11,7 @@ from bench.tables import peak_over_state
 
 # Peer numbers measured earlier on one H200, for the summary of a full GPU run (a reminder of
 # the peers' order of magnitude, not a measurement of this run).
-ANCHORS_MS = {
+EARLIER_PEERS_MS = {
     "llama3-8b-4L": {
         "torch.optim.Muon (2.11)": 146.0,
         "naive per-parameter": 159.0,
@@ -95,7 +95,7 @@ def summary_step(rows: list[dict], cfg: Config) -> list[str]:
         lines += [
             f"  earlier peer figures ({wl}, one H200): "
             + ", ".join(f"{k} {v:g}" for k, v in anchors.items())
-            for wl, anchors in ANCHORS_MS.items()
+            for wl, anchors in EARLIER_PEERS_MS.items()
         ]
     floors = {r["workload"]: r.get("floor_ms") for r in rows}
     lines += [f"  {wl}: plain-matmul floor {f:.2f} ms at the measured peak"
