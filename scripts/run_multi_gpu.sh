@@ -56,8 +56,8 @@ for phase in $PHASES; do
         if "$PY" -c "import pytest" 2>/dev/null; then
             MUON_TEST_BACKEND=$BACKEND MUON_TEST_WORLD_SIZES="$(sizes 2 4 8)" \
                 timeout -k 15 "${TESTS_S:-230}" "$PY" -m pytest -v -rA -p no:cacheprovider \
-                tests/test_distributed_plan.py tests/test_distributed.py \
-                tests/test_distributed_checkpoint.py >"$OUT/tests.log" 2>&1
+                tests/distributed/test_distributed_plan.py tests/distributed/test_distributed.py \
+                tests/distributed/test_distributed_checkpoint.py >"$OUT/tests.log" 2>&1
             echo "pytest rc=$?" >>"$OUT/tests.log"
         else
             echo "pytest is not installed: phase tests skipped" | tee "$OUT/tests.log"

@@ -37,10 +37,10 @@ PY="${PYTHON:-python3}"
 PHASES="${*:-tests train bench}"
 TOTAL_S="${TOTAL_S:-540}"
 OURS="MuonForeach,Muon (per-parameter),MuonLP,torch.optim.Muon,naive,AdamW"
-GPU_TESTS="tests/test_kernels.py tests/test_cuda_graphs.py tests/test_orthogonalize.py
-    tests/test_backends.py tests/test_lp_int8.py tests/test_quantized_kernels.py
-    tests/test_step_memory.py tests/test_tuning_cache.py tests/test_benchmark_smoke.py
-    tests/test_matrix_scale.py tests/test_two_ranks_one_gpu.py"
+GPU_TESTS="tests/kernels/test_kernels.py tests/orthogonalize/test_cuda_graphs.py tests/orthogonalize/test_orthogonalize.py
+    tests/orthogonalize/test_backends.py tests/lp/test_lp_int8.py tests/kernels/test_quantized_kernels.py
+    tests/optimizer/test_step_memory.py tests/kernels/test_tuning_cache.py tests/scripts/test_benchmark_smoke.py
+    tests/kernels/test_matrix_scale.py tests/distributed/test_two_ranks_one_gpu.py"
 if [[ "${SMOKE:-0}" == 1 ]]; then
     BENCH_ARGS=(--quick --device cpu)
     MERGE_ARGS=(--quick)

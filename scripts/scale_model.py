@@ -6,7 +6,7 @@ rank's matrices, FLOPs and bytes, no processes) and splits each rank's traffic i
 that stays inside its node (NVLink) and the part that leaves it (InfiniBand).
 :func:`step_costs` turns that into time: the busiest rank's FLOPs at a measured single-GPU
 rate plus its bytes over the links, beside AdamW's step and a forward/backward.
-``tests/test_plan_accounting.py`` shows that these per-rank numbers are what a real step
+``tests/distributed/test_plan_accounting.py`` shows that these per-rank numbers are what a real step
 does. The peers' traffic for the same models is in ``scale_peers.py``.
 """
 

@@ -18,7 +18,7 @@ published ``config.json``:
 
 :func:`entries` lays a model out on ``n`` simulated ranks the way torchtitan 0.2.2's
 parallelize functions do (the placements are those checked on real meshes in
-``tests/test_expert_parallel.py`` and ``tests/test_distributed.py``).
+``tests/distributed/test_expert_parallel.py`` and ``tests/distributed/test_distributed.py``).
 """
 
 from __future__ import annotations

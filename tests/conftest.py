@@ -1,5 +1,10 @@
-"""Fixtures shared by the test modules that run real training jobs; the heartbeat plugin
-(``tests/heartbeat.py``: a line a minute while a long test runs)."""
+"""The test tree: one folder per part of the package (``optimizer/``, ``orthogonalize/``,
+``kernels/``, ``distributed/``, ``lp/``, ``param_groups/``, ``qk_clip/``, ``torchtitan/``,
+``titan03/``, ``torchtune/``), the scripts' smoke tests (``scripts/``), the project's own rules
+(``project/``), torch's and torchtitan's own suites (``*_upstream/``) and the modules the tests
+share (``helpers/``, importable from every test). Also: the fixtures of the tests that run real
+training jobs, and the heartbeat plugin (``helpers/heartbeat.py``: a line a minute while a long
+test runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))  # "from dist_utils import ...", in every test folder
 
 pytest_plugins = ["heartbeat"]
 

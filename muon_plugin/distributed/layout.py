@@ -6,7 +6,7 @@ a rank holds the global indices ``I_d`` (sorted), and its local tensor is ``full
 shape and the placements alone, so every rank knows every other rank's shard.
 
 Semantics (checked against ``DTensor.full_tensor()`` of real ``fully_shard`` and
-``parallelize_module`` parameters in ``tests/test_distributed.py``):
+``parallelize_module`` parameters in ``tests/distributed/test_distributed.py``):
 
 - ``Shard(d)`` cuts dim ``d`` like ``torch.chunk`` (chunk size ``ceil(n / k)``, so trailing
   ranks may hold fewer rows or none); the cut is ``torch``'s own ``Shard._split_tensor``

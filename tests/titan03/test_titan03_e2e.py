@@ -11,8 +11,8 @@
 - the deepseek_v3 debug model (MoE) trains under FSDP=2: expert stacks on Muon, the router on
   AdamW;
 - QK-Clip (``optimizer.muon.qk_clip_tau``, a tau the debug models exceed from the first steps)
-  is on in every run: the FSDP run (fused ``wqkv``) and the deepseek_v3 run (MLA) log the heads
-  they clip, each at most tau x 1.5 at the next step (``tests/qk_clip_log.py``); the TP resume
+  is on in every run: the FSDP run (fused ``wqkv``) and the deepseek_v3 run (MLA) log the heads they
+  clip, each at most tau x 1.5 at the next step (``tests/helpers/qk_clip_log.py``); the TP resume
   matches the uninterrupted run with it; FSDP x TP and the pipeline stages clip their heads.
 """
 

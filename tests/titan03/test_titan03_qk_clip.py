@@ -2,10 +2,10 @@
 with document masks), qwen3 without qk_norm (``QKVLinear``, GQA), deepseek_v3 (MLA) and gpt_oss
 (biases, sinks, sliding windows).
 
-As for 0.2.2 (``tests/test_torchtitan_qk_clip.py``): the recorded max logit per head equals the
-attention's own (fp64 over torch's dense mask of the call's ``BlockMask``); after a clip at the
-median head each attention module, rerun on its own input, gives tau for every clipped head and
-an unchanged max for every other; only query / key rows move.
+As for 0.2.2 (``tests/torchtitan/test_torchtitan_qk_clip.py``): the recorded max logit per head
+equals the attention's own (fp64 over torch's dense mask of the call's ``BlockMask``); after a clip
+at the median head each attention module, rerun on its own input, gives tau for every clipped head
+and an unchanged max for every other; only query / key rows move.
 """
 
 from __future__ import annotations
@@ -189,13 +189,10 @@ def test_options_from_the_config_and_its_toml_table(tmp_path) -> None:
 def test_the_readmes_python_line_clips() -> None:
     """The README's torchtitan 0.3 line, as written, builds a container that clips."""
     import re
-    import sys
-    from pathlib import Path
+
+    from qk_clip_readme import section
 
     from muon_plugin.torchtitan03.container import MuonOptimizersContainer
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from qk_clip_readme import section
 
     (line,) = re.findall(r"`optimizer=(MuonOptimizersContainer\.Config\(.*?\))`", section())
     config = eval(

@@ -3,7 +3,7 @@
 # faec2d6a1ff5c458b7766f382191a79901e57c57: pytorch/pytorch's main branch of the torch 2.13
 # period, whose torch/testing/_internal/common_optimizers.py matches the torch 2.13.0 wheel's
 # apart from Python 3.8 typing spellings (here: the `from __future__ import annotations` line).
-# PyTorch's BSD 3-Clause license. tests/test_torch_optim_renewed.py loads this file and runs
+# PyTorch's BSD 3-Clause license. tests/optimizer/test_torch_optim_renewed.py loads this file and runs
 # its TestOptimRenewed on muon_plugin's Muon and MuonForeach; it is not collected on its own
 # (it imports PyTorch's test/optim package).
 

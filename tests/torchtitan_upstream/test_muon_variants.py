@@ -8,7 +8,8 @@
 - ``test_checkpoint.py`` builds no optimizer (a fake container and a mocked ``dcp``): it runs
   unchanged, with the plugin's checkpoint hook installed; no "muon" variant applies.
 - torchtitan 0.2.2 has no unit test of the optimizer container itself; the plugin's container
-  is tested in ``tests/test_torchtitan_builder.py`` and ``tests/test_torchtitan_resume.py``.
+  is tested in ``tests/torchtitan/test_torchtitan_builder.py`` and
+  ``tests/torchtitan/test_torchtitan_resume.py``.
 """
 
 from __future__ import annotations

@@ -135,12 +135,10 @@ def test_section_keys_are_validated_and_reach_the_clip() -> None:
 
 def test_the_readmes_yaml_section_builds_with_qk_clip() -> None:
     """The README's QK-Clip ``optimizer:`` block: valid, its options as it says."""
-    import sys
+
+    from qk_clip_readme import blocks
 
     from muon_plugin.torchtune.options import parse_optimizer_section
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from qk_clip_readme import blocks
 
     (yaml,) = blocks("yaml")
     section = dict(OmegaConf.create(yaml).optimizer)

@@ -1,0 +1,272 @@
+"""CPU smoke test of scripts/bench_convergence.py: two tiny torchtitan runs, outputs checked.
+
+Checks what the script writes (the curves JSON, the summary tables, the PNG when matplotlib is
+installed) and the analysis on hand-made curves; the losses of the tiny runs are not judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_convergence as bc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_steps_to_reach_interpolates_between_evaluations():
+    curve = [[10, 5.0], [20, 4.0], [30, 3.0]]
+    assert bc.steps_to_reach(curve, 5.0) == 10.0
+    assert bc.steps_to_reach(curve, 3.5) == pytest.approx(25.0)
+    assert bc.steps_to_reach(curve, 2.9) is None
+
+
+def _record(opt, lr, seed, val, tps=100.0, steps=20):
+    return {
+        "optimizer": opt, "lr": lr, "seed": seed, "name": bc.Run(opt, lr, seed).name,
+        "status": "ok", "wall_s": 1.0, "steps": steps,
+        "train": [[s, 9.0 - s / 10] for s in range(1, steps + 1)],
+        "val": val, "tps": [tps] * steps,
+    }  # fmt: skip
+
+
+def test_summary_picks_best_lr_and_compares_with_adamw():
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 5.0], [20, 4.0]]),
+        _record("adamw", 2e-3, 0, [[10, 4.8], [20, 3.8]]),  # AdamW's best: 3.8 at step 20
+        _record("muon", 4e-3, 0, [[10, 3.8], [20, 3.0]], tps=97.0),  # reaches 3.8 at step 10
+        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]], tps=97.0),
+        _record("muonlp-int8", 4e-3, 0, [[10, 3.9], [20, 3.03]]),
+        {**_record("muon", 4e-3, 1, [[10, 3.8], [20, 3.0]], tps=50.0), "concurrent": 2},
+    ]
+    table, head = bc.summarize(records)
+    assert "(shared by 2)" in table  # a run that shared the machine: its tokens/s not compared
+    assert head["adamw"]["lr"] == 2e-3 and head["muon"]["lr"] == 4e-3
+    assert head["muon"]["steps_ratio"] == pytest.approx(0.5) and head["muon"]["seeds"] == 2
+    assert head["muon"]["tps_ratio"] == pytest.approx(0.97)
+    assert head["muonlp-int8"]["val_gap_vs_muon"] == pytest.approx(0.01)
+
+
+def test_shorter_schedules_and_speed_runs():
+    """Muon's steps to AdamW's best: the shortest schedule reaching it (linear between
+    schedule lengths); tokens/s from the speed runs (median over repeats)."""
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]),
+        {**_record("muon", 4e-3, 0, [[10, 3.9]], steps=10), "budget": 10},
+        {**_record("muon", 4e-3, 0, [[10, 4.2], [15, 3.7]], steps=15), "budget": 15},
+        {**_record("adamw", 1e-3, 0, [], tps=100.0), "speed": 0},
+        {**_record("adamw", 1e-3, 0, [], tps=102.0), "speed": 1},
+        {**_record("muon", 4e-3, 0, [], tps=98.0), "speed": 0},
+        {**_record("muon", 4e-3, 0, [], tps=97.0), "speed": 1},
+    ]
+    table, head = bc.summarize(records)
+    sched = head["muon"]["schedule"]
+    assert sched["curve"] == [[10, 3.9], [15, 3.7], [20, 3.0]]
+    assert sched["steps"] == pytest.approx(12.5) and sched["ratio"] == pytest.approx(0.625)
+    assert not sched["upper_bound"]
+    assert head["muon"]["tps_ratio"] == pytest.approx(97.5 / 101)
+    assert head["muon"]["tps_from"] == "speed runs"
+    assert head["muon"]["seeds"] == 1  # budget and speed runs are not full-length seeds
+    assert "| speed runs (alone) |" in table and "| 15 | 1 | 3.7000 |" in table
+
+
+def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
+    """With ``--optimizers adamw,muon,normuon``: NorMuon is swept, then run with the shorter
+    schedules at its own best lr like Muon; the summary gives both schedule ratios."""
+    args = bc.parse_args(
+        ["--optimizers", "adamw,muon,normuon", "--lp", "", "--seeds", "0", "--budgets", "10",
+         "--speed-repeats", "1", "--lrs-normuon", "4e-3,8e-3"]
+    )  # fmt: skip
+    first = bc.plan(args, [])
+    assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3 + ["normuon"] * 2
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "muon-lr0.002-seed0-steps10", "normuon-lr0.004-seed0-steps10",
+        "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0", "speed-normuon-lr0.004-0",
+    ]  # fmt: skip
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]),
+        _record("normuon", 4e-3, 0, [[10, 3.7], [20, 2.9]]),
+        {**_record("muon", 4e-3, 0, [[10, 3.9]], steps=10), "budget": 10},
+        {**_record("normuon", 4e-3, 0, [[10, 3.6]], steps=10), "budget": 10},
+        {**_record("adamw", 1e-3, 0, [], tps=100.0), "speed": 0},
+        {**_record("muon", 4e-3, 0, [], tps=98.0), "speed": 0},
+        {**_record("normuon", 4e-3, 0, [], tps=96.04), "speed": 0},
+    ]
+    table, head = bc.summarize(records)
+    assert head["muon"]["schedule"]["upper_bound"] is False
+    assert head["normuon"]["schedule"]["steps"] == 10.0
+    assert (
+        head["normuon"]["schedule"]["upper_bound"] and head["normuon"]["schedule"]["ratio"] == 0.5
+    )
+    assert "| normuon schedule length (lr 0.004) |" in table
+    lines = bc.verdicts(head)
+    assert any("NorMuon's shortest schedule" in v and "at most 0.50" in v for v in lines), lines
+    assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
+
+
+def test_qk_clip_runs_follow_muons_sweep_and_auto_tau_halves_the_largest_logit():
+    import qk_clip_curves as qk
+
+    log = "\n".join(
+        [
+            "QK-Clip: max logit 3.5 (layers.1.attention), 0 heads clipped at tau 1e+30",
+            "step:  5  loss:  7.1  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 10  tflops: 1",
+            "validate step:  5  loss:  7.3",
+            "QK-Clip: max logit 4.25 (layers.0.attention), 2 heads clipped at tau 1e+30: x h1 4",
+            "step: 10  loss:  6.9  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 10  tflops: 1",
+        ]
+    )
+    assert qk.parse(log) == [[5, 3.5, 0], [10, 4.25, 2]]
+    assert qk.job_args("muon-qkclip2.5")[-2:] == ["--optimizer.muon.qk_clip_tau", "2.5"]
+    assert qk.job_args(qk.MAXLOGIT)[-1] == "1e+30"
+    only_muon = ["--optimizers", "muon", "--lrs-muon", "4e-3", "--seeds", "0", "--lp", ""]
+    args = bc.parse_args([*only_muon, "--budgets", "", "--speed-repeats", "0", "--qk-clip", "auto"])
+    sweep = _record("muon", 4e-3, 0, [[10, 4.0]])
+    assert [r.name for r in bc.plan(args, [sweep])] == ["muon-maxlogit-lr0.004-seed0"]
+    without = {**_record(qk.MAXLOGIT, 4e-3, 0, [[10, 4.1]]), "max_logit": qk.parse(log)}
+    assert qk.clip_tau("auto", [without]) == 2.12  # half of 4.25, three digits
+    assert [r.name for r in bc.plan(args, [sweep, without])] == ["muon-qkclip2.12-lr0.004-seed0"]
+
+
+def test_plan_runs_sweep_then_seeds_then_lp():
+    args = bc.parse_args(
+        ["--lp", "int8", "--seeds", "0,1", "--lp-seeds", "0,1", "--budgets", "150",
+         "--speed-repeats", "1"]
+    )  # fmt: skip
+    first = bc.plan(args, [])
+    assert [r.optimizer for r in first] == ["adamw"] * 3 + ["muon"] * 3
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in first]
+    # A sweep still running: no other seeds or MuonLP of that optimizer are ready yet.
+    partial = bc.plan(args, done[:4])
+    assert [r.name for r in partial] == [
+        "muon-lr0.004-seed0", "muon-lr0.008-seed0", "adamw-lr0.001-seed1"
+    ]  # fmt: skip
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "adamw-lr0.001-seed1", "muon-lr0.002-seed1",
+        "muonlp-int8-lr0.002-seed0", "muonlp-int8-lr0.002-seed1",
+        "muon-lr0.002-seed0-steps150", "muon-lr0.002-seed1-steps150",
+        "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0",
+    ]  # fmt: skip
+    # Training runs share the machine; a speed run has it to itself, after them.
+    todo = bc.plan(args, done)
+    assert [r.name for r in bc.next_batch(todo, 3)] == names[:3]
+    assert [r.name for r in bc.next_batch(todo[6:], 3)] == ["speed-adamw-lr0.001-0"]
+
+
+def test_smoke_run_writes_its_outputs(tmp_path):
+    out = tmp_path / "conv"
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
+        "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
+        "--out", str(out), "--parallel", "2", "--variants", "turbo", "--qk-clip", "0.05",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "curves.json").read_text())
+    runs = {r["name"]: r for r in data["runs"]}
+    assert sorted(runs) == [
+        "adamw-lr0.001-seed0", "muon-lr0.002-seed0", "muon-maxlogit-lr0.002-seed0",
+        "muon-qkclip0.05-lr0.002-seed0", "muon-turbo-lr0.002-seed0",
+    ]  # fmt: skip
+    for run in runs.values():
+        # both sweeps ran at once; the Muon variants after them, two at once, at Muon's best lr
+        assert run["status"] == "ok" and run["concurrent"] == 2, run["name"]
+        assert [s for s, _ in run["train"]] == [1, 2, 3]
+        assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
+    log = (out / "runs" / "muon-turbo-lr0.002-seed0" / "train.log").read_text()
+    assert "turbo_muon x4" in log  # the build summary of the job
+    # QK-Clip: both runs log their largest logit at every step; only the clipping one clips
+    for name in ("muon-maxlogit-lr0.002-seed0", "muon-qkclip0.05-lr0.002-seed0"):
+        assert [s for s, _, _ in runs[name]["max_logit"]] == [1, 2, 3], runs[name]["max_logit"]
+    assert sum(n for _, _, n in runs["muon-maxlogit-lr0.002-seed0"]["max_logit"]) == 0
+    assert sum(n for _, _, n in runs["muon-qkclip0.05-lr0.002-seed0"]["max_logit"]) > 0
+    assert runs["muon-lr0.002-seed0"]["max_logit"] == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"adamw", "muon", "muon-turbo", "qk_clip"} <= set(summary["optimizers"])
+    assert "val_gap_vs_muon" in summary["optimizers"]["muon-turbo"]
+    assert set(summary["optimizers"]["qk_clip"]) == {"muon-maxlogit", "muon-qkclip0.05"}
+    summary_md = (out / "summary.md").read_text()
+    assert "reaches AdamW's best val loss" in summary_md
+    assert "| QK-Clip run | tau |" in summary_md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "qk_clip_max_logit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_speed_run_is_a_valid_job_without_validation(tmp_path, monkeypatch):
+    """A speed run's command line (what train.sh is given) parses as torchtitan's job with
+    validation off and the run's steps; its log becomes a record without validation."""
+    from muon_plugin.torchtitan.check import check
+
+    seen = {}
+
+    def fake_torchrun(cmd, timeout, **kwargs):
+        seen["cmd"] = cmd
+        log = "\n".join(
+            f"step: {s}  loss:  {9 - s:.4f}  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 1,000  "
+            "tflops: 1.0  mfu: 1.0%"
+            for s in (1, 2)
+        )
+        return log, 0
+
+    monkeypatch.setattr(bc, "run_torchrun", fake_torchrun)
+    args = bc.parse_args(["--out", str(tmp_path), "--speed-steps", "2"])
+    record = bc.train_one(bc.Run("muon", 4e-3, 0, speed=0), args)
+    assert record["status"] == "ok" and record["val"] == [] and record["speed"] == 0
+    job_args = seen["cmd"][seen["cmd"].index(str(bc.CONFIG)) + 1 :]
+    job = check(str(bc.CONFIG), job_args)
+    assert job.validation.enable is False and job.training.steps == 2
+    assert job.optimizer.name == "muon" and job.optimizer.lr == 4e-3
+    assert job.optimizer.muon.normalization == "none"
+    bc.train_one(bc.Run("normuon", 4e-3, 0, speed=0), args)
+    job = check(str(bc.CONFIG), seen["cmd"][seen["cmd"].index(str(bc.CONFIG)) + 1 :])
+    assert job.optimizer.name == "muon" and job.optimizer.muon.normalization == "normuon"
+
+
+def test_the_turbo_variant_runs_at_muons_best_lr(tmp_path):
+    """``--variants turbo``: turbo_muon x4 at Muon's best lr on every seed, in the speed runs,
+    compared with Muon; its command line parses as torchtitan's job with that option."""
+    from muon_plugin.torchtitan.check import check
+
+    args = bc.parse_args(
+        ["--variants", "turbo", "--lp", "", "--budgets", "", "--seeds", "0,1",
+         "--speed-repeats", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    done = [_record(r.optimizer, r.lr, r.seed, [[10, 4.0 + r.lr]]) for r in bc.plan(args, [])]
+    names = [r.name for r in bc.plan(args, done)]
+    assert names == [
+        "adamw-lr0.001-seed1", "muon-lr0.002-seed1", "muon-turbo-lr0.002-seed0",
+        "muon-turbo-lr0.002-seed1", "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0",
+        "speed-muon-turbo-lr0.002-0",
+    ]  # fmt: skip
+    job = check(str(bc.CONFIG), bc.Run("muon-turbo", 2e-3, 0).job_args())
+    assert (job.optimizer.muon.orthogonalization, job.optimizer.muon.ns_steps) == ("turbo_muon", 4)
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.8], [20, 3.0]]),
+        _record("muon", 8e-3, 0, [[10, 4.5], [20, 3.5]]),
+        _record("muon-turbo", 4e-3, 0, [[10, 3.9], [20, 3.06]]),
+    ]
+    _, head = bc.summarize(records)
+    assert head["muon-turbo"]["lr"] == 4e-3
+    assert head["muon-turbo"]["val_gap_vs_muon"] == pytest.approx(0.02)
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--variants", "turbo_muon"])

@@ -1,0 +1,50 @@
+"""scripts/profile_step.py's arithmetic on synthetic profiler events (the script needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def event(name: str, start: float, end: float, cuda: bool = True, annotation: bool = False):
+    device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    span = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    return types.SimpleNamespace(
+        name=name, device_type=device, time_range=span, is_user_annotation=annotation
+    )
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    script = load_script()
+    assert script.busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert script.busy_us([]) == 0
+
+
+def test_report_counts_kernels_only():
+    script = load_script()
+    events = [
+        event("Optimizer.step#MuonForeach.step", 0, 100, annotation=True),  # a GPU-side range
+        event("cpu op", 0, 50, cuda=False),
+        event("gemm", 0, 40),
+        event("gemm", 30, 60),  # overlaps the first on another stream
+        event("copy", 70, 80),
+    ]
+    prof = types.SimpleNamespace(events=lambda: events)
+    text = script.report(prof, steps=2, wall_ms=[0.2, 0.1], top=1)
+    assert "GPU busy 0.035 ms" in text  # (60 + 10) us over 2 steps
+    assert "summed over streams 0.040 ms" in text  # (40 + 30 + 10) / 2
+    assert "2 kernels" in text  # 3 kernels over 2 steps, rounded
+    lines = text.splitlines()
+    assert lines[-2].endswith("gemm") and lines[-1].endswith("(others)")

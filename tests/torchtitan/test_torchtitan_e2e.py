@@ -1,0 +1,356 @@
+"""End-to-end torchtitan runs with optimizer.name = "muon": 2 processes (torchrun), gloo on CPU.
+
+- the debug config trains (loss falls), validates on the held-out split of the local corpus and
+  logs the Muon/AdamW groups and the plan;
+- a checkpoint saved under FSDP=2 resumes under TP=2 and under FSDP 2 x TP 2 (4 processes) with
+  the losses of the uninterrupted run that saved it; these runs use NorMuon
+  (``normalization = "normuon"``), so the per-row second moments are resharded too (row shards
+  to TP's copies of a column-sharded matrix's rows);
+- 2 pipeline stages train;
+- QK-Clip (``optimizer.muon.qk_clip_tau`` at a tau the debug models exceed from the first
+  steps) is on in every run: the main run and the deepseek_v3 (MLA) run log the heads they clip,
+  each at most tau x 1.5 at the next step (``tests/helpers/qk_clip_log.py`` says why 1.5); the
+  resumed runs (TP, FSDP x TP) match the uninterrupted one with it; pipeline stages clip their own
+  layers.
+
+Marked slow (each torchrun starts in ~10 s on 2 CPU cores); run by default. Six torchrun
+launches in all: each run checks as much as it can, to keep the file's time down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from qk_clip_log import check_clipping, clip_lines
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "llama3_debug_muon.toml"
+TAU = 0.7  # QK-Clip's tau: the llama3 and deepseek_v3 debug models exceed it from step 1-5
+QK_CLIP = ["--optimizer.muon.qk_clip_tau", str(TAU)]
+LOSS_RE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([0-9.]+)")  # training steps
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        sys.platform != "linux", reason="torchrun + gloo runs are exercised on Linux"
+    ),
+]
+
+
+def titan_env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp / "hf_cache"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    return env
+
+
+def finish(proc: subprocess.CompletedProcess) -> str:
+    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
+    return out
+
+
+def run_main_command(
+    args: list[str],
+    tmp: Path,
+    data: Path,
+    timeout: int = 400,
+    config: Path = CONFIG,
+    nproc: int = 2,
+) -> str:
+    """The README's main command, ``bash scripts/train.sh CONFIG ...``, on ``nproc`` CPU
+    processes (2 unless given)."""
+    env = titan_env(tmp)
+    env.update(NPROC=str(nproc), DATA_DIR=str(data), LOG_RANK="0")
+    env.pop("PYTHON", None)
+    cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
+    return finish(
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    )
+
+
+def run_titan(
+    args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int = 0
+) -> str:
+    """torchrun -m torchtitan.train with the debug config; returns ``log_rank``'s output."""
+    env = titan_env(tmp)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--local-ranks-filter",
+        str(log_rank),
+        "--role",
+        "rank",
+        "--tee",
+        "3",
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        str(CONFIG),
+        "--metrics.disable_color_printing",
+        *args,
+    ]
+    return finish(
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    )
+
+
+def losses(log: str) -> dict[int, float]:
+    found: dict[int, float] = {}
+    for step, loss in LOSS_RE.findall(log):
+        found.setdefault(int(step), float(loss))
+    return found
+
+
+def local_run_args(assets: Path, dump_folder: Path, steps: int) -> list[str]:
+    """Arguments of a run on the prepared corpus and tokenizer, writing under ``dump_folder``."""
+    return [
+        "--model.hf_assets_path",
+        str(assets / "tokenizer"),
+        "--training.dataset_path",
+        str(assets / "corpus"),
+        "--job.dump_folder",
+        str(dump_folder),
+        "--training.steps",
+        str(steps),
+    ]
+
+
+VALIDATION = [
+    "--validation.enable",
+    "--validation.dataset",
+    "c4_test",
+    "--validation.freq",
+    "10",
+    "--validation.steps",
+    "2",
+    "--validation.local_batch_size",
+    "2",
+    "--validation.seq_len",
+    "256",
+]
+
+
+def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+    """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job), with
+    torchtitan's validator on the corpus's held-out split and QK-Clip."""
+    steps = 20
+    args = local_run_args(assets, tmp_path / "out", steps) + VALIDATION + QK_CLIP
+    args += ["--validation.dataset_path", str(assets / "corpus_val")]
+    log = run_main_command(args, tmp_path, assets)
+    got = losses(log)
+    assert re.search(r"validate step:\s*10\s+loss:\s*[0-9.]+", log), log[-3000:]
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    first = sum(got[s] for s in (1, 2, 3)) / 3
+    last = sum(got[s] for s in range(steps - 4, steps + 1)) / 5
+    assert last < first - 1.0, f"loss did not fall clearly: {got}"
+    # the param-group table (rank 0) shows both algorithms
+    assert "Muon optimizer: MuonForeach" in log
+    assert re.search(r"^\s*matrix\s+muon\s+42\s", log, re.M), log[-3000:]
+    assert re.search(r"^\s*embedding\s+adamw\s+1\s", log, re.M)
+    assert re.search(r"^\s*output\s+adamw\s+1\s", log, re.M)
+    assert re.search(r"^\s*norm\s+adamw\s+13\s.*\s0$", log, re.M)  # norm_weight_decay = 0
+    assert "Muon orthogonalization plan" in log
+    assert "CPU" in log  # torchtitan ran on the CPU stand-in device
+    # QK-Clip: the settings in the build summary, every attention layer, the heads it clipped
+    assert f"qk-clip tau {TAU:g} alpha 0.5 gqa query" in log
+    assert "QK-Clip: tau 0.7, alpha 0.5; 6 attention layers (multi-head), 96 query heads" in log
+    lines = check_clipping(log, TAU)
+    assert len(lines) == steps  # one per logged training step (validation steps add none)
+
+
+def _exact_chunks(assets: Path, n: int, tokens: int = 255) -> list[str]:
+    """Texts that tokenize to exactly ``tokens`` ids: with BOS/EOS each is one 257-token
+    sample of seq_len 256, so a document list maps one-to-one onto training samples."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(assets / "tokenizer" / "tokenizer.json"))
+    ids: list[int] = []
+    with open(assets / "corpus" / "data.json", encoding="utf-8") as f:
+        for line in f:
+            ids.extend(tok.encode(json.loads(line)["text"]).ids)
+            if len(ids) > 3 * n * tokens:
+                break
+    chunks = []
+    for i in range(0, len(ids) - tokens, tokens):
+        text = tok.decode(ids[i : i + tokens])
+        if len(tok.encode(text).ids) == tokens:
+            chunks.append(text)
+            if len(chunks) == n:
+                return chunks
+    raise AssertionError("not enough text for the checkpoint test corpus")
+
+
+def _write_corpus(folder: Path, texts: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    with open(folder / "data.json", "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    return folder
+
+
+TOTAL, SPLIT, BATCH = 8, 4, 2
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+# layout: (processes, data-parallel ranks, arguments)
+LAYOUTS = {
+    "tp2": (
+        2,
+        1,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
+    # FSDP 2 x TP 2: _StridedShard + Shard placements in one step
+    "fsdp2xtp2": (4, 2, [*FSDP2, "--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+def _common(assets: Path) -> list[str]:
+    return [
+        "--optimizer.muon.normalization",
+        "normuon",
+        "--model.hf_assets_path",
+        str(assets / "tokenizer"),
+        "--lr_scheduler.total_steps",
+        str(TOTAL),
+        "--training.local_batch_size",
+        str(BATCH),
+        "--checkpoint.interval",
+        "1000",
+        *QK_CLIP,
+    ]
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(assets: Path, tmp_path_factory) -> dict:
+    """An uninterrupted FSDP=2 run of TOTAL steps that saves a checkpoint at step SPLIT.
+
+    Data: every document is exactly one sample. The FSDP corpus is a list D repeated twice, so
+    both FSDP ranks (contiguous halves) read D and the global batch is two copies of the batch
+    a single data-parallel rank reads from D. torchtitan cannot reshard the dataloader state
+    (dp 2 -> 1), so resumed runs skip it and read D without the SPLIT * BATCH documents the
+    first steps consumed (repeated once per data-parallel rank).
+    """
+    tmp = tmp_path_factory.mktemp("titan_ckpt")
+    docs = _exact_chunks(assets, 24)
+    corpus = _write_corpus(tmp / "corpus_fsdp", docs + docs)
+    ref_log = run_titan(
+        _common(assets)
+        + FSDP2
+        + [
+            "--training.dataset_path",
+            str(corpus),
+            "--training.steps",
+            str(TOTAL),
+            "--job.dump_folder",
+            str(tmp / "ref"),
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(SPLIT),
+        ],
+        tmp,
+    )
+    ckpt = tmp / "ref" / "checkpoint" / f"step-{SPLIT}"
+    assert ckpt.is_dir(), sorted(p.name for p in ckpt.parent.iterdir())
+    return {"ref": losses(ref_log), "checkpoint": ckpt, "docs": docs}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_checkpoint_from_fsdp2_resumes(
+    layout: str, assets: Path, fsdp_checkpoint: dict, tmp_path: Path
+) -> None:
+    """Saved at step SPLIT under FSDP=2, resumed under ``layout``: the next losses match the
+    uninterrupted run (model and Muon/AdamW state resharded from Shard(0) to TP placements,
+    or to FSDP x TP's _StridedShard + Shard), QK-Clip on in both (on TP its heads are split
+    over the ranks, on FSDP x TP its maxima are reduced over the FSDP ranks)."""
+    ref = fsdp_checkpoint["ref"]
+    assert sorted(ref) == list(range(1, TOTAL + 1))
+
+    nproc, dp, layout_args = LAYOUTS[layout]
+    rest = fsdp_checkpoint["docs"][SPLIT * BATCH :]
+    corpus = _write_corpus(tmp_path / "corpus", rest * dp)
+    saved = tmp_path / "run" / "checkpoint" / fsdp_checkpoint["checkpoint"].name
+    shutil.copytree(fsdp_checkpoint["checkpoint"], saved)
+    log = run_titan(
+        _common(assets)
+        + layout_args
+        + [
+            "--training.dataset_path",
+            str(corpus),
+            "--training.steps",
+            str(TOTAL),
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--checkpoint.enable",
+            "--checkpoint.exclude_from_loading",
+            "dataloader",
+        ],
+        tmp_path,
+        nproc=nproc,
+    )
+    second = losses(log)
+    print(f"\n{layout}: uninterrupted {ref}\n{layout}: resumed {second}")
+    assert f"Training starts at step {SPLIT + 1}" in log, log[-3000:]
+    assert sorted(second) == list(range(SPLIT + 1, TOTAL + 1))
+    for s in range(SPLIT + 1, TOTAL + 1):
+        assert second[s] == pytest.approx(ref[s], abs=2e-3), (s, second, ref)
+    # the run learned something (the reference is not flat), so matching it means something;
+    # the last batch alone can be a hard one, whatever text the machine's corpus holds
+    assert min(ref.values()) < ref[1] - 0.5, ref
+    clipped = [line.n_clipped for line in clip_lines(log)]
+    assert len(clipped) == TOTAL - SPLIT and sum(clipped) > 0, clipped  # they clipped heads too
+
+
+def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> None:
+    """2 pipeline stages, one optimizer per model part; the last stage logs the loss."""
+    steps = 6
+    pp2 = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+    ]
+    log = run_titan(
+        [*local_run_args(assets, tmp_path / "pp2", steps), *pp2, *QK_CLIP],
+        tmp_path,
+        nproc=2,
+        log_rank=1,
+    )
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert got[steps] < got[1] - 0.5, f"loss did not fall: {got}"
+
+
+def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
+    """The deepseek_v3 debug model (MLA attention, MoE) with QK-Clip, one process (its layouts
+    are the llama3 runs'): every MLA layer's heads are clipped (no-rope q and k rows, rope
+    queries), and stay near tau at the next step."""
+    steps = 3
+    config = ROOT / "configs" / "deepseek_v3_debug_muon.toml"
+    tau = 0.6  # one process: its first logits are lower than under FSDP=2's larger batch
+    args = [*local_run_args(assets, tmp_path / "ds", steps), "--optimizer.muon.qk_clip_tau", "0.6"]
+    log = run_main_command(args, tmp_path, assets, config=config, nproc=1)  # the README's command
+    got = losses(log)
+    assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
+    assert "6 attention layers (6 MLA), 96 query heads" in log, log[-3000:]
+    check_clipping(log, tau)
