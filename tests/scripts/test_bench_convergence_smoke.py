@@ -173,7 +173,7 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--smoke",
         "--steps", "3", "--val-every", "3", "--val-steps", "1", "--log-every", "1",
-        "--out", str(out), "--parallel", "2", "--variants", "turbo", "--qk-clip", "0.05",
+        "--out", str(out), "--parallel", "2", "--qk-clip", "0.05",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -181,17 +181,14 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     runs = {r["name"]: r for r in data["runs"]}
     assert sorted(runs) == [
         "adamw-lr0.001-seed0", "muon-lr0.002-seed0", "muon-maxlogit-lr0.002-seed0",
-        "muon-qkclip0.05-lr0.002-seed0", "muon-turbo-lr0.002-seed0",
+        "muon-qkclip0.05-lr0.002-seed0",
     ]  # fmt: skip
-    for name, run in runs.items():
-        # both sweeps ran at once; the three Muon runs after them at Muon's best lr, two at a
-        # time, then the last alone
-        sweep = name in ("adamw-lr0.001-seed0", "muon-lr0.002-seed0")
-        assert run["status"] == "ok" and run["concurrent"] in ((2,) if sweep else (1, 2)), name
+    for name, run in runs.items():  # two at a time: the sweeps, then the QK-Clip runs
+        assert run["status"] == "ok" and run["concurrent"] == 2, name
         assert [s for s, _ in run["train"]] == [1, 2, 3]
         assert run["val"] and run["val"][-1][0] == 3 and run["tps"]
-    log = (out / "runs" / "muon-turbo-lr0.002-seed0" / "train.log").read_text()
-    assert "turbo_muon x4" in log  # the build summary of the job
+    # (the --variants runs are planned and their command lines checked without training:
+    # test_the_turbo_variant_runs_at_muons_best_lr)
     # QK-Clip: both runs log their largest logit at every step; only the clipping one clips
     for name in ("muon-maxlogit-lr0.002-seed0", "muon-qkclip0.05-lr0.002-seed0"):
         assert [s for s, _, _ in runs[name]["max_logit"]] == [1, 2, 3], runs[name]["max_logit"]
@@ -199,8 +196,7 @@ def test_smoke_run_writes_its_outputs(tmp_path):
     assert sum(n for _, _, n in runs["muon-qkclip0.05-lr0.002-seed0"]["max_logit"]) > 0
     assert runs["muon-lr0.002-seed0"]["max_logit"] == []
     summary = json.loads((out / "summary.json").read_text())
-    assert {"adamw", "muon", "muon-turbo", "qk_clip"} <= set(summary["optimizers"])
-    assert "val_gap_vs_muon" in summary["optimizers"]["muon-turbo"]
+    assert {"adamw", "muon", "qk_clip"} <= set(summary["optimizers"])
     assert set(summary["optimizers"]["qk_clip"]) == {"muon-maxlogit", "muon-qkclip0.05"}
     summary_md = (out / "summary.md").read_text()
     assert "reaches AdamW's best val loss" in summary_md
