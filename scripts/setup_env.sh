@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything the tests, benchmarks and the torchtitan demo need.
-# pip installs with --no-compile: Python compiles a module's bytecode when it is first imported
-# (torch's CUDA build alone has thousands of modules no run imports).
 # Idempotent: a re-run only checks a stamp, unless pyproject.toml or this script changed.
 #
 # torch: ./.venv pins torch 2.13.0; ./.venv-titan03 pins 2.14.1 (torchtitan 0.3 is released
@@ -43,7 +41,7 @@ EOF
 # install_torch VENV: torch as described at the top of this file.
 install_torch() {
     local py="$1/bin/python"
-    local pip=("$py" -m pip install --disable-pip-version-check --no-compile)
+    local pip=("$py" -m pip install --disable-pip-version-check)
     if has_gpu; then
         say "torch: NVIDIA GPU found; installing torch>=$torch_min from PyPI (CUDA build)"
         "${pip[@]}" "torch>=$torch_min"
@@ -113,7 +111,7 @@ setup_venv() {
         install_torch "$venv"
     fi
     say "installing $what (pip install $*)"
-    "$venv/bin/python" -m pip install --disable-pip-version-check --no-compile "$@"
+    "$venv/bin/python" -m pip install --disable-pip-version-check "$@"
     echo "$want" >"$stamp"
     say "done in $((SECONDS - start)) s: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') in $venv"
 }
