@@ -1,6 +1,7 @@
 """Spawn helpers for the multi-process tests: gloo on CPU (default) or NCCL on GPUs.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn start method),
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
+forkserver that has imported torch once, on Linux; spawned elsewhere),
 initializes a process group over TCP on a free local port with a short timeout, calls
 ``fn(rank, world_size, *args)`` in each, and re-raises the first failure in the caller. A rank
 that raises makes the others terminate instead of hanging in a collective.
@@ -137,6 +138,19 @@ def _worker(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     os._exit(0)
 
 
+# Workers fork from a server process that has imported these once per test session, instead
+# of each importing torch afresh (seconds per worker on 2 cores); the server forks before any
+# thread or process group exists, so the fork is safe.
+PRELOAD = ["torch", "torch.distributed", "muon_plugin", "muon_plugin.distributed.plan"]
+
+
+def _start_method() -> str:
+    if sys.platform != "linux":
+        return "spawn"
+    mp.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
 def run_distributed(fn, world_size: int, *args, attempts: int = 3) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; raise on failure.
 
@@ -155,7 +169,7 @@ def run_distributed(fn, world_size: int, *args, attempts: int = 3) -> None:
                 args=(fn, world_size, free_port(), args),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method=_start_method(),
             )
             return
         except mp.ProcessRaisedException as e:

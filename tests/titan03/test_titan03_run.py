@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +80,11 @@ folder."""
 
 
 @pytest.fixture(scope="module")
-def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str, float]]:
+def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     """Every case of CASES through train.sh, all at once (each is one short process):
-    ``name -> (exit status, stdout, stderr with {tmp}, seconds until all had ended)``."""
+    ``name -> (exit status, stdout, stderr with {tmp})``."""
     tmp = tmp_path_factory.mktemp("titan03_errors")
     (tmp / "bad.toml").write_text(TOML.read_text().replace("ns_steps = 5", "ns_stepz = 5"))
-    start = time.perf_counter()
     procs = {
         name: subprocess.Popen(
             stdout=subprocess.PIPE,
@@ -101,9 +99,8 @@ def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str, float]]:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-    seconds = time.perf_counter() - start
     return {
-        name: (procs[name].returncode, out, err.replace(str(tmp), "{tmp}"), seconds)
+        name: (procs[name].returncode, out, err.replace(str(tmp), "{tmp}"))
         for name, (out, err) in outputs.items()
     }
 
@@ -111,12 +108,11 @@ def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str, float]]:
 @linux_only
 @pytest.mark.parametrize("case", list(CASES))
 def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str) -> None:
-    code, out, err, seconds = config_errors[case]
+    code, out, err = config_errors[case]
     assert code == 2, out[-2000:] + err[-2000:]
     assert out == "" and "[rank" not in err  # no log, no worker started
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: " + CASES[case][1]), err
-    assert seconds < 45, f"the {len(CASES)} checks took {seconds:.1f} s"
 
 
 @linux_only
