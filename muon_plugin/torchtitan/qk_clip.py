@@ -19,21 +19,26 @@ of another type, any other module with an ``inner_attention``, and context paral
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from muon_plugin.adapter.qk_clip import AttentionSite, QKClipRefused, Recorder
+from muon_plugin.adapter.qk_clip import AttentionSite, Describer, QKClipRefused, Recorder
 from muon_plugin.qk_clip import AttentionHeads, Visibility, mla, separate_projections
 
 __all__ = [
     "INNER_ATTENTIONS",
     "check_inner",
     "describe_attention",
+    "WAY_OUT",
     "documents_of",
+    "inner_attention_describer",
     "qk_clip_group",
+    "qk_norm_refused",
+    "unknown_attention_refused",
     "visibility_hook",
 ]
 
@@ -109,6 +114,43 @@ def visibility_hook(fqn: str, inner: nn.Module, record: Recorder) -> Any:
     return inner.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def qk_norm_refused(fqn: str, cls: str) -> QKClipRefused:
+    """The refusal of an attention module with per-head q / k norms (qwen3's ``qk_norm``)."""
+    return QKClipRefused(
+        f"QK-Clip: {fqn} ({cls}) normalizes q and k per head (qk_norm): the norm undoes any "
+        "scaling of the q / k rows, and its gains are shared by all heads, so QK-Clip cannot "
+        f"bound one head; qk_norm already bounds the logits: {WAY_OUT}"
+    )
+
+
+def unknown_attention_refused(fqn: str, cls: str) -> QKClipRefused:
+    """The refusal of a module with an ``inner_attention`` whose head rows are unknown."""
+    return QKClipRefused(
+        f"QK-Clip: {fqn} ({cls}) has an inner attention, but QK-Clip does not know which rows "
+        f"of its parameters are each head's query and key: {WAY_OUT}"
+    )
+
+
+def inner_attention_describer(
+    heads_of: Callable[[str, nn.Module], AttentionHeads],
+    check: Callable[[str, nn.Module], None],
+    hook: Callable[[str, nn.Module, Recorder], Any],
+) -> Describer:
+    """A :data:`~muon_plugin.adapter.qk_clip.Describer` for torchtitan's models: every module
+    with an ``inner_attention`` is an attention site, its rows from ``heads_of``, its inner
+    attention checked by ``check`` and hooked by ``hook``."""
+
+    def describe(fqn: str, module: nn.Module) -> AttentionSite | None:
+        inner = getattr(module, "inner_attention", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        heads = heads_of(fqn, module)
+        check(fqn, inner)
+        return AttentionSite(heads, lambda record: hook(fqn, inner, record))
+
+    return describe
+
+
 def _weight(fqn: str, linear: nn.Module, what: str = "weight") -> tuple[str, torch.Tensor]:
     return f"{fqn}.{what}", getattr(linear, what)
 
@@ -128,11 +170,7 @@ def _heads(fqn: str, module: nn.Module) -> AttentionHeads:
         )
     if all(hasattr(module, a) for a in ("wq", "wk", "n_heads", "n_kv_heads", "head_dim")):
         if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None):
-            raise QKClipRefused(
-                f"QK-Clip: {fqn} ({cls}) normalizes q and k per head (qk_norm): the norm "
-                "undoes any scaling of wq / wk rows, and its gains are shared by all heads, "
-                f"so QK-Clip cannot bound one head; qk_norm already bounds the logits: {WAY_OUT}"
-            )
+            raise qk_norm_refused(fqn, cls)
         biases = [
             (f"{fqn}.{name}.bias", getattr(module, name).bias, part)
             for name, part in (("wq", "q"), ("wk", "k"))
@@ -147,21 +185,12 @@ def _heads(fqn: str, module: nn.Module) -> AttentionHeads:
             module.head_dim,
             biases,
         )
-    raise QKClipRefused(
-        f"QK-Clip: {fqn} ({cls}) has an inner attention, but QK-Clip does not know which rows "
-        f"of its parameters are each head's query and key: {WAY_OUT}"
-    )
+    raise unknown_attention_refused(fqn, cls)
 
 
-def describe_attention(fqn: str, module: nn.Module) -> AttentionSite | None:
-    """The :class:`AttentionSite` of a torchtitan 0.2.2 attention module (any module with an
-    ``inner_attention``); None for other modules."""
-    inner = getattr(module, "inner_attention", None)
-    if not isinstance(inner, nn.Module):
-        return None
-    heads = _heads(fqn, module)
-    check_inner(fqn, inner)
-    return AttentionSite(heads, lambda record: visibility_hook(fqn, inner, record))
+describe_attention = inner_attention_describer(_heads, check_inner, visibility_hook)
+"""The :class:`AttentionSite` of a torchtitan 0.2.2 attention module (any module with an
+``inner_attention``); None for other modules."""
 
 
 def qk_clip_group(parallel_dims: Any) -> Any:

@@ -25,12 +25,18 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch.distributed as dist
 import torch.nn as nn
 
-from muon_plugin.adapter.qk_clip import AttentionSite, QKClipRefused, Recorder
+from muon_plugin.adapter.qk_clip import QKClipRefused, Recorder
 from muon_plugin.qk_clip import AttentionHeads, Visibility, fused_qkv, mla, separate_projections
-from muon_plugin.torchtitan.qk_clip import documents_of
+from muon_plugin.torchtitan.qk_clip import (
+    WAY_OUT,
+    documents_of,
+    inner_attention_describer,
+    qk_clip_group,
+    qk_norm_refused,
+    unknown_attention_refused,
+)
 
 __all__ = [
     "describe_attention",
@@ -39,8 +45,6 @@ __all__ = [
     "remembered_parallel_dims",
 ]
 
-OPTION = "optimizer.muon.qk_clip_tau"
-WAY_OUT = f"unset {OPTION} (QK-Clip off)"
 INNER_ATTENTIONS = ("FlexAttention", "VarlenAttention", "ScaledDotProductAttention")
 
 _MARK = "_muon_plugin_hook"
@@ -70,23 +74,6 @@ def remember_parallel_dims() -> None:
 def remembered_parallel_dims() -> Any:
     """The last ``ParallelDims`` torchtitan built in this process, or None."""
     return _parallel_dims[0] if _parallel_dims else None
-
-
-def qk_clip_group(parallel_dims: Any) -> Any:
-    """The data- and context-parallel process group (the ``loss`` mesh), None when there is
-    none (one process); refuses context parallelism."""
-    if parallel_dims is None:
-        return None
-    if getattr(parallel_dims, "cp", 1) > 1:
-        raise QKClipRefused(
-            f"QK-Clip: context parallelism (parallelism.context_parallel_degree = "
-            f"{parallel_dims.cp}) splits each sequence's keys over ranks, so no rank sees a "
-            f"head's logits; {WAY_OUT} or set parallelism.context_parallel_degree = 1"
-        )
-    if not dist.is_initialized():  # one process: nothing to reduce over
-        return None
-    mesh = parallel_dims.get_optional_mesh("loss")
-    return None if mesh is None else mesh.get_group()
 
 
 def _visibility(fqn: str, inner: nn.Module, q: Any, kwargs: dict) -> Visibility:
@@ -192,24 +179,11 @@ def _heads(fqn: str, module: nn.Module) -> AttentionHeads:
         )
     if hasattr(module, "qkv_linear") and hasattr(module, "head_dim"):
         if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None):
-            raise QKClipRefused(
-                f"QK-Clip: {fqn} ({cls}) normalizes q and k per head (qk_norm): the norm "
-                "undoes any scaling of the q / k rows, and its gains are shared by all heads, "
-                f"so QK-Clip cannot bound one head; qk_norm already bounds the logits: {WAY_OUT}"
-            )
+            raise qk_norm_refused(fqn, cls)
         return _qkv_heads(fqn, module, module.n_heads, module.n_kv_heads, module.head_dim)
-    raise QKClipRefused(
-        f"QK-Clip: {fqn} ({cls}) has an inner attention, but QK-Clip does not know which rows "
-        f"of its parameters are each head's query and key: {WAY_OUT}"
-    )
+    raise unknown_attention_refused(fqn, cls)
 
 
-def describe_attention(fqn: str, module: nn.Module) -> AttentionSite | None:
-    """The :class:`AttentionSite` of a torchtitan 0.3 attention module (any module with an
-    ``inner_attention``); None for other modules."""
-    inner = getattr(module, "inner_attention", None)
-    if not isinstance(inner, nn.Module):
-        return None
-    heads = _heads(fqn, module)
-    check_inner(fqn, inner)
-    return AttentionSite(heads, lambda record: visibility_hook(fqn, inner, record))
+describe_attention = inner_attention_describer(_heads, check_inner, visibility_hook)
+"""The :class:`AttentionSite` of a torchtitan 0.3 attention module (any module with an
+``inner_attention``); None for other modules."""
