@@ -6,23 +6,11 @@ import copy
 
 import pytest
 import torch
+from optimizer_helpers import DRIVERS, make_params, set_grads
 
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.learning_rate import lr_shape_factor
 from muon_plugin.orthogonalize import zeropower
-
-DRIVERS = [Muon, MuonForeach]
-
-
-def make_params(*shapes: tuple[int, ...], seed: int = 0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=dtype) * 0.02) for s in shapes]
-
-
-def set_grads(params, step: int, seed: int = 100):
-    g = torch.Generator().manual_seed(seed + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
 
 
 def rel_err(a, b):
