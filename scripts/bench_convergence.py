@@ -179,6 +179,8 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "val": val,
         "tps": tps,
         "max_logit": qk_clip_curves.parse(ANSI_RE.sub("", text)),  # runs with QK-Clip only
+        "machine": machine_text(args.nproc),
+        "date": datetime.date.today().isoformat(),
     }
 
 
@@ -265,8 +267,13 @@ def sweep_runs(args, optimizer: str) -> list[Run]:
 def plan(args, records: list[dict]) -> list[Run]:
     """The runs still to do and ready to start, in order: the lr sweeps first; an optimizer's
     other seeds once its sweep is done; MuonLP and Muon's shorter schedules once Muon's sweep
-    is done; the speed runs once every sweep is done."""
-    done = {r["name"] for r in records if r["status"] == "ok"}
+    is done; the speed runs once every sweep is done (again on another kind of machine than
+    theirs: ``args.machine``)."""
+    done = {
+        r["name"]
+        for r in records
+        if r["status"] == "ok" and (r.get("speed") is None or r.get("machine") == args.machine)
+    }
     runs = [run for opt in args.optimizers for run in sweep_runs(args, opt)]
     best = {  # the best lr of every optimizer whose sweep is done
         opt: lr
@@ -317,13 +324,20 @@ def solo_tps(records: list[dict], optimizer: str) -> float | None:
     return statistics.fmean(tps) if tps else None
 
 
+def latest_speed_runs(records: list[dict]) -> list[dict]:
+    """The speed runs of the machine of the last one: tokens/s are compared only between runs
+    of one kind of machine (a plan continued on another reruns them, :func:`plan`)."""
+    speed = [r for r in records if r.get("speed") is not None]
+    return [r for r in speed if r.get("machine") == speed[-1].get("machine")] if speed else []
+
+
 def speed_table(records: list[dict]) -> tuple[list[str], dict[str, dict]]:
-    """Tokens/s of the speed runs per optimizer: median over repeats and the spread."""
+    """Tokens/s of the speed runs per optimizer (those of one machine and day,
+    :func:`latest_speed_runs`): median over repeats and the spread."""
     stats: dict[str, dict] = {}
-    for opt in sorted({r["optimizer"] for r in records if r.get("speed") is not None}):
-        tps = [
-            median_tps(r) for r in records if r["optimizer"] == opt and r.get("speed") is not None
-        ]
+    speed = latest_speed_runs(records)
+    for opt in sorted({r["optimizer"] for r in speed}):
+        tps = [median_tps(r) for r in speed if r["optimizer"] == opt]
         stats[opt] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps),
                       "repeats": len(tps)}  # fmt: skip
     if not stats:
@@ -361,24 +375,37 @@ def schedule_table(
     return lines, {"steps": steps, "upper_bound": steps == curve[0][0], "curve": curve}
 
 
+def place(record: dict) -> tuple[str, str]:
+    """(date, machine) of a run."""
+    return record.get("date", "?"), record.get("machine", "?")
+
+
+def run_places(records: list[dict]) -> list[tuple[str, str]]:
+    """The distinct (date, machine) of ``records``, oldest first: a plan continued on another
+    day or machine lists each, and its tables say which run came from which."""
+    return sorted({place(r) for r in records})
+
+
 def summarize(records: list[dict]) -> tuple[str, dict]:
     """Markdown tables of ``records`` and the headline numbers."""
     ok = [r for r in records if r["status"] == "ok"]
+    places = run_places(records)
+    where = (lambda r: f" {places.index(place(r)) + 1} |") if len(places) > 1 else (lambda r: "")
     lines = [
         "| run | final train loss (last 5%) | final val loss | best val loss | tokens/s (median) "
-        "| wall s |",
-        "|" + " --- |" * 6,
+        "| wall s |" + (" run on |" if len(places) > 1 else ""),
+        "|" + " --- |" * (6 + (len(places) > 1)),
     ]
     key = lambda r: (r["optimizer"], r["lr"], r.get("budget") or 0, r["seed"])  # noqa: E731
     for r in sorted((r for r in ok if r.get("speed") is None), key=key):
         tps = f"{median_tps(r):,.0f}" + ("" if solo(r) else f" (shared by {r['concurrent']})")
         lines.append(
             f"| {r['name']} | {final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
-            f"{min(v for _, v in r['val']):.4f} | {tps} | {r['wall_s']:.0f} |"
+            f"{min(v for _, v in r['val']):.4f} | {tps} | {r['wall_s']:.0f} |" + where(r)
         )
     for r in records:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |" + where(r))
     head: dict = {}
     full = [r for r in ok if full_length(r)]
     groups = best_groups(full)
@@ -557,6 +584,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.extra = extra
     args.out = args.out.resolve()
+    args.machine = machine_text(args.nproc)  # this machine: speed runs of another are redone
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     for o in args.optimizers:
         if o not in OPTIMIZER_ARGS:
@@ -678,8 +706,13 @@ def report(args, data: dict, records: list[dict]) -> None:
     """Print and write the summary (``OUT/summary.md``, ``summary.json``), the PNG, and with
     ``--write-results`` RESULTS.md's section."""
     table, head = summarize(records)
+    places = run_places(records)
+    if len(places) > 1:  # numbered as the runs table's last column
+        where = "; ".join(f"({i}) {d}, {m}" for i, (d, m) in enumerate(places, 1))
+    else:
+        where = ", ".join(places[0]) if places else "?"
     meta = (
-        f"{data.get('date', '?')}, {data.get('machine', '?')}; configs/llama3_convergence.toml"
+        f"{where}; configs/llama3_convergence.toml"
         f"{' (smoke)' if args.smoke else ''}, {args.steps} steps"
         + (f", overrides `{' '.join(args.extra)}`" if args.extra else "")
     )
@@ -709,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "curves.json"
     data = json.loads(store.read_text()) if store.exists() else {"runs": []}
+    for r in data["runs"]:  # a plan's runs before runs carried their own machine and date
+        r.setdefault("machine", data.get("machine", "?"))
+        r.setdefault("date", data.get("date", "?"))
     records = data["runs"] if args.report_only else run_plan(args, data, store)
     report(args, data, records)
     return 1 if any(r["status"] != "ok" for r in records) else 0

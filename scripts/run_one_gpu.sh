@@ -5,7 +5,8 @@
 #   OUT=/path bash scripts/run_one_gpu.sh [PHASE ...]   # default: tests train bench
 #
 # tests    the tests that need a GPU (kernels, CUDA graphs, the fused MuonLP kernel, memory,
-#          autotune tables, every benchmark row at small sizes, two gloo ranks on the one GPU):
+#          autotune tables, every benchmark row at small sizes, two gloo ranks on the one GPU,
+#          NorMuon on the GPU paths):
 #          tests.log                                                              TESTS_S (150)
 # train    PYTHON=$PYTHON bash scripts/train.sh configs/llama3_debug_muon.toml, the main job
 #          with no other variable set (TRAIN_ARGS: overrides to add): train.log, and the
@@ -40,7 +41,8 @@ OURS="MuonForeach,Muon (per-parameter),MuonLP,torch.optim.Muon,naive,AdamW"
 GPU_TESTS="tests/kernels/test_kernels.py tests/orthogonalize/test_cuda_graphs.py tests/orthogonalize/test_orthogonalize.py
     tests/orthogonalize/test_backends.py tests/lp/test_lp_int8.py tests/kernels/test_quantized_kernels.py
     tests/optimizer/test_step_memory.py tests/kernels/test_tuning_cache.py tests/scripts/test_benchmark_smoke.py
-    tests/kernels/test_matrix_scale.py tests/distributed/test_two_ranks_one_gpu.py"
+    tests/kernels/test_matrix_scale.py tests/distributed/test_two_ranks_one_gpu.py
+    tests/optimizer/test_normuon_device.py"
 if [[ "${SMOKE:-0}" == 1 ]]; then
     BENCH_ARGS=(--quick --device cpu)
     MERGE_ARGS=(--quick)

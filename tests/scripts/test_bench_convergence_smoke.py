@@ -117,6 +117,39 @@ def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
     assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
 
 
+def test_a_plan_continued_on_another_machine_redoes_its_speed_runs_only():
+    """Training runs of an earlier day and machine are kept (the tables say where each ran);
+    tokens/s are compared between speed runs of one machine, so those are run again."""
+    args = bc.parse_args(["--optimizers", "adamw,muon", "--lrs-adamw", "1e-3", "--lrs-muon",
+                          "4e-3", "--seeds", "0", "--lp", "", "--budgets", "",
+                          "--speed-repeats", "1"])  # fmt: skip
+    before = {"date": "2026-01-01", "machine": "1 x GPU A"}
+    here = {"date": "2026-01-02", "machine": args.machine}
+
+    def speed(opt, lr, tps, where):
+        return {**_record(opt, lr, 0, [], tps=tps), "speed": 0,
+                "name": bc.Run(opt, lr, 0, speed=0).name, **where}  # fmt: skip
+
+    records = [
+        {**_record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]), **before},
+        {**_record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]), **before},
+        speed("adamw", 1e-3, 50.0, before),
+        speed("muon", 4e-3, 10.0, before),
+    ]
+    assert [r.name for r in bc.plan(args, records)] == [
+        "speed-adamw-lr0.001-0", "speed-muon-lr0.004-0"
+    ]  # fmt: skip
+    records[3] = speed("muon", 4e-3, 98.0, here)
+    assert [r.name for r in bc.plan(args, records)] == ["speed-adamw-lr0.001-0"]
+    records[2] = speed("adamw", 1e-3, 100.0, here)
+    assert bc.plan(args, records) == []
+    table, head = bc.summarize(records)
+    assert head["muon"]["tps_ratio"] == pytest.approx(0.98)
+    assert "| run on |" in table and "| muon-lr0.004-seed0 |" in table
+    assert table.splitlines()[2].endswith("| 1 |")  # the first training run: the first place
+    assert bc.run_places(records) == [tuple(before.values()), tuple(here.values())]
+
+
 def test_qk_clip_runs_follow_muons_sweep_and_auto_tau_halves_the_largest_logit():
     import qk_clip_curves as qk
 
