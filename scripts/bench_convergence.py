@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -168,6 +169,9 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
     ok = rc == 0 and train and (val or run.speed is not None) and train[-1][0] == steps
     if not ok:
         print(text[-3000:], file=sys.stderr)
+    diverged = next((s for s, loss in train if not math.isfinite(loss)), None)
+    if diverged is not None:
+        print(f"[bench_convergence] {run.name}: non-finite loss from step {diverged}", flush=True)
     return {
         **asdict(run),
         "name": run.name,
@@ -178,6 +182,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "train": train,
         "val": val,
         "tps": tps,
+        "diverged_at": diverged,  # the first logged step with a non-finite loss, or None
         "max_logit": qk_clip_curves.parse(ANSI_RE.sub("", text)),  # runs with QK-Clip only
         "machine": machine_text(args.nproc),
         "date": datetime.date.today().isoformat(),
@@ -233,11 +238,16 @@ def steps_to_reach(curve: list[list[float]], target: float) -> float | None:
 
 def best_lr(records: list[dict], optimizer: str) -> float | None:
     """The lr of ``optimizer`` whose full-length seed-0 run ends with the lowest validation
-    loss."""
+    loss (a diverged run is never the best)."""
     sweep = [
         r
         for r in records
-        if r["optimizer"] == optimizer and r["seed"] == 0 and r["val"] and full_length(r)
+        if r["optimizer"] == optimizer
+        and r["seed"] == 0
+        and r["val"]
+        and full_length(r)
+        and not r.get("diverged_at")
+        and math.isfinite(r["val"][-1][1])
     ]
     return min(sweep, key=lambda r: r["val"][-1][1])["lr"] if sweep else None
 
@@ -399,10 +409,12 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
     key = lambda r: (r["optimizer"], r["lr"], r.get("budget") or 0, r["seed"])  # noqa: E731
     for r in sorted((r for r in ok if r.get("speed") is None), key=key):
         tps = f"{median_tps(r):,.0f}" + ("" if solo(r) else f" (shared by {r['concurrent']})")
-        lines.append(
-            f"| {r['name']} | {final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
-            f"{min(v for _, v in r['val']):.4f} | {tps} | {r['wall_s']:.0f} |" + where(r)
-        )
+        if r.get("diverged_at"):
+            losses = f"diverged (non-finite loss from step {r['diverged_at']}) | - | - |"
+        else:
+            losses = (f"{final_train_loss(r):.4f} | {r['val'][-1][1]:.4f} | "
+                      f"{min(v for _, v in r['val']):.4f} |")  # fmt: skip
+        lines.append(f"| {r['name']} | {losses} {tps} | {r['wall_s']:.0f} |" + where(r))
     for r in records:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | - | - | - | - | {r['status']} |" + where(r))
@@ -457,6 +469,9 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
             ratio = None if sched["steps"] is None else sched["steps"] / adam_steps
             head[opt]["schedule"] = {**sched, "ratio": ratio}
     lines += speed_lines
+    diverged = sorted(r["name"] for r in ok if r.get("diverged_at"))
+    if diverged:
+        head["diverged"] = diverged
     qk_lines, qk_head = qk_clip_curves.table(ok)
     lines += qk_lines
     if qk_head:
@@ -694,8 +709,18 @@ def verdicts(head: dict) -> list[str]:
             vs_muon = f", {normuon['tps_ratio'] / muon['tps_ratio']:.3f} x Muon's"
         out.append(f"NorMuon tokens/s = {normuon['tps_ratio']:.3f} x AdamW's{vs_muon}, from "
                    f"{normuon['tps_from']}")  # fmt: skip
+    return out + gap_verdicts(head)
+
+
+def gap_verdicts(head: dict) -> list[str]:
+    """The diverged runs, and the final validation loss of MuonLP and the Muon variants
+    against fp32-state Muon's."""
+    out = []
+    diverged = head.get("diverged") or []
+    if diverged:
+        out.append(f"{len(diverged)} run(s) diverged (non-finite loss): {', '.join(diverged)}")
     for opt, row in head.items():
-        if "val_gap_vs_muon" in row:
+        if isinstance(row, dict) and "val_gap_vs_muon" in row:
             target = " (target within 1%)" if opt.startswith("muonlp-") else ""
             out.append(f"{opt} final validation loss {100 * row['val_gap_vs_muon']:+.2f}% vs "
                        f"fp32-state Muon{target}")  # fmt: skip

@@ -150,6 +150,23 @@ def test_a_plan_continued_on_another_machine_redoes_its_speed_runs_only():
     assert bc.run_places(records) == [tuple(before.values()), tuple(here.values())]
 
 
+def test_a_diverged_run_is_reported_and_never_the_best_lr():
+    nan = float("nan")
+    diverged = _record("muon", 8e-3, 0, [[10, 3.0], [20, nan]])
+    diverged["train"][12:] = [[s, nan] for s, _ in diverged["train"][12:]]
+    diverged["diverged_at"] = 13
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.4]]),
+        diverged,
+    ]
+    assert bc.best_lr(records, "muon") == 4e-3
+    table, head = bc.summarize(records)
+    assert "| muon-lr0.008-seed0 | diverged (non-finite loss from step 13) |" in table
+    assert head["muon"]["lr"] == 4e-3 and head["diverged"] == ["muon-lr0.008-seed0"]
+    assert "1 run(s) diverged (non-finite loss): muon-lr0.008-seed0" in bc.verdicts(head)
+
+
 def test_qk_clip_runs_follow_muons_sweep_and_auto_tau_halves_the_largest_logit():
     import qk_clip_curves as qk
 
