@@ -276,21 +276,22 @@ def sweep_runs(args, optimizer: str) -> list[Run]:
 
 def plan(args, records: list[dict]) -> list[Run]:
     """The runs still to do and ready to start, in order: the lr sweeps first; an optimizer's
-    other seeds once its sweep is done; MuonLP and Muon's shorter schedules once Muon's sweep
-    is done; the speed runs once every sweep is done (again on another kind of machine than
-    theirs: ``args.machine``)."""
+    other seeds once its sweep is done (at once for a sweep of one lr); MuonLP and Muon's
+    shorter schedules once Muon's sweep is done; the speed runs once every sweep is done
+    (again on another kind of machine than theirs: ``args.machine``)."""
     done = {
         r["name"]
         for r in records
         if r["status"] == "ok" and (r.get("speed") is None or r.get("machine") == args.machine)
     }
     runs = [run for opt in args.optimizers for run in sweep_runs(args, opt)]
-    best = {  # the best lr of every optimizer whose sweep is done
-        opt: lr
-        for opt in args.optimizers
-        if {r.name for r in sweep_runs(args, opt)} <= done
-        and (lr := best_lr(records, opt)) is not None
-    }
+    best = {}  # the best lr of every optimizer whose sweep is done or is one lr (no choice)
+    for opt in args.optimizers:
+        sweep = sweep_runs(args, opt)
+        if len(sweep) == 1:
+            best[opt] = sweep[0].lr
+        elif {r.name for r in sweep} <= done and (lr := best_lr(records, opt)) is not None:
+            best[opt] = lr
     for opt, lr in best.items():
         runs += [Run(opt, lr, seed) for seed in args.seeds if seed != 0]
     if "muon" in best:
