@@ -19,6 +19,9 @@
 #          compile.log                                                          COMPILE_S (300)
 # peers    the peers' rows alone (dion, gram-newton-schulz; their first steps autotune for
 #          minutes): peers.json, peers.log                                        PEERS_S (500)
+# spectrum scripts/update_spectrum.py: the largest singular value of Muon's update through the
+#          optimizer's step on every backend, stress inputs, 30 steps (a path whose updates grow
+#          fails): spectrum.log, spectrum.json                                  SPECTRUM_S (200)
 # tune     the symmetric kernel autotuned afresh on this GPU (no shipped table borrowed): the
 #          table to ship in muon_plugin/kernels/tuned/ lands in $OUT/autotune/     TUNE_S (400)
 #
@@ -72,8 +75,9 @@ for phase in $PHASES; do
     bench) budget="${BENCH_S:-200}" ;;
     compile) budget="${COMPILE_S:-300}" ;;
     peers) budget="${PEERS_S:-500}" ;;
+    spectrum) budget="${SPECTRUM_S:-200}" ;;
     tune) budget="${TUNE_S:-400}" ;;
-    *) echo "unknown phase: $phase (tests, train, bench, compile, peers, tune)" >&2; continue ;;
+    *) echo "unknown phase: $phase (tests, train, bench, compile, peers, spectrum, tune)" >&2; continue ;;
     esac
     left=$((TOTAL_S - (SECONDS - START)))
     limit=$((budget < left ? budget : left))
@@ -130,6 +134,13 @@ for phase in $PHASES; do
             --sections step,memory --rows "dion,gram_newton_schulz,MuonForeach (polar" \
             --budget $((limit > 120 ? limit - 100 : limit / 2)) --json "$OUT/peers.json" \
             >"$OUT/peers.log" 2>&1
+        rc=$?
+        ;;
+    spectrum)
+        spectrum_args=()
+        [[ "${SMOKE:-0}" == 1 ]] && spectrum_args=(--div 16 --steps 6 --device cpu)
+        run_py timeout -k 5 "$limit" "$PY" scripts/update_spectrum.py ${spectrum_args[@]+"${spectrum_args[@]}"} \
+            --json "$OUT/spectrum.json" >"$OUT/spectrum.log" 2>&1
         rc=$?
         ;;
     tune)
