@@ -186,6 +186,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "max_logit": qk_clip_curves.parse(ANSI_RE.sub("", text)),  # runs with QK-Clip only
         "machine": machine_text(args.nproc),
         "date": datetime.date.today().isoformat(),
+        "corpus": getattr(args, "corpus", None),  # the training corpus's sha256 (16 digits)
     }
 
 
@@ -649,12 +650,35 @@ def prepare_data() -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
+def corpus_hash() -> str | None:
+    """The first 16 hex digits of the training corpus's sha256 (``DATA_DIR``'s manifest, as
+    scripts/prepare_data.py wrote it), or None without one."""
+    manifest = ROOT / os.environ.get("DATA_DIR", "data") / "manifest.json"
+    if not manifest.exists():
+        return None
+    return json.loads(manifest.read_text()).get("corpus_sha256", "")[:16] or None
+
+
+def check_corpus(records: list[dict], corpus: str | None) -> None:
+    """Refuse to add runs on ``corpus`` to a plan whose runs trained on another one (their
+    losses would not be comparable); runs from before runs recorded their corpus pass."""
+    known = sorted({r["corpus"] for r in records if r.get("corpus")})
+    if known and corpus not in known:
+        raise SystemExit(
+            f"[bench_convergence] the plan's runs trained on corpus {', '.join(known)}, but "
+            f"the data here is corpus {corpus}: continue it with the same data/ (built by the "
+            "same pinned packages, or copied), or start a new --out"
+        )
+
+
 def run_plan(args, data: dict, store: Path) -> list[dict]:
     """Launch the plan's runs, batch after batch, until done, out of budget or a run fails;
     every finished batch is saved to ``store`` at once."""
     records: list[dict] = data["runs"]
     if plan(args, records):
         prepare_data()
+        args.corpus = corpus_hash()
+        check_corpus(records, args.corpus)
     start = time.monotonic()
     while todo := plan(args, records):
         batch = next_batch(todo, args.parallel)
@@ -737,6 +761,9 @@ def report(args, data: dict, records: list[dict]) -> None:
         where = "; ".join(f"({i}) {d}, {m}" for i, (d, m) in enumerate(places, 1))
     else:
         where = ", ".join(places[0]) if places else "?"
+    corpora = sorted({r["corpus"] for r in records if r.get("corpus")})
+    if corpora:
+        where += f"; corpus sha256 {', '.join(corpora)}"
     meta = (
         f"{where}; configs/llama3_convergence.toml"
         f"{' (smoke)' if args.smoke else ''}, {args.steps} steps"

@@ -150,6 +150,21 @@ def test_a_plan_continued_on_another_machine_redoes_its_speed_runs_only():
     assert bc.run_places(records) == [tuple(before.values()), tuple(here.values())]
 
 
+def test_a_plan_continues_only_on_the_corpus_its_runs_trained_on(tmp_path, monkeypatch):
+    old = {**_record("muon", 4e-3, 0, [[10, 3.9]]), "corpus": "e91facd5ad2232ea"}
+    legacy = _record("adamw", 1e-3, 0, [[10, 4.5]])  # from before runs recorded their corpus
+    bc.check_corpus([old, legacy], "e91facd5ad2232ea")
+    bc.check_corpus([legacy], "bf75395e6cacaa04")
+    with pytest.raises(SystemExit, match="corpus e91facd5ad2232ea, but the data here is corpus "
+                                          "bf75395e6cacaa04"):  # fmt: skip
+        bc.check_corpus([old, legacy], "bf75395e6cacaa04")
+    (tmp_path / "manifest.json").write_text(json.dumps({"corpus_sha256": "ab" * 32}))
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    assert bc.corpus_hash() == "ab" * 8
+    monkeypatch.setenv("DATA_DIR", str(tmp_path / "none"))
+    assert bc.corpus_hash() is None
+
+
 def test_a_diverged_run_is_reported_and_never_the_best_lr():
     nan = float("nan")
     diverged = _record("muon", 8e-3, 0, [[10, 3.0], [20, nan]])
