@@ -9,15 +9,18 @@ graphs (replayed step after step), the Triton kernels and the update kernel are 
 
 The parameters have the shapes of the convergence benchmark's 88M llama3 (48 x 768x768,
 24 x 2048x768, 12 x 768x2048; ``--div`` divides every dimension), start at zero and take lr 1,
-no momentum, no weight decay and ``lr_adjust="none"``, so each step's update is the
-orthogonalized gradient itself. The gradients cycle through inputs that stress the
-normalization and the iteration: Gaussian, exactly rank one, rank one plus noise, singular
-values decaying as i^-2, one singular value 1e4 times the others, and a rank-one gradient of
-1e-6. Per backend, shape and input: the largest singular value (power iteration on the
-update, every matrix of the stack) over all steps, and whether every update was finite.
+no weight decay and ``lr_adjust="none"``, so each step's update is the orthogonalized
+direction itself; the momentum is the optimizer's default (0.95, Nesterov), so its kernels and
+buffers are on the path too (``--momentum 0``: the direction is the gradient). The gradients
+cycle through inputs that stress the normalization and the iteration: Gaussian, exactly rank
+one, rank one plus noise, singular values decaying as i^-2, one singular value 1e4 times the
+others, and a rank-one gradient of 1e-6 (with momentum, each direction also carries the earlier
+ones). Per backend, shape and input: the largest singular value (power iteration on the update,
+every matrix of the stack) over all steps, and whether every update was finite.
 
     python scripts/update_spectrum.py [--backends auto,eager,auto:no-gram,auto:no-triton,plain]
-        [--steps 30] [--div 1] [--device auto|cpu|cuda] [--limit 1.25] [--json out.json]
+        [--steps 30] [--momentum 0.95] [--div 1] [--device auto|cpu|cuda] [--limit 1.25]
+        [--json out.json]
 
 Exit status 1 when a backend's update is non-finite or its largest singular value exceeds
 ``--limit``.
@@ -82,7 +85,9 @@ def largest_singular_value(U: torch.Tensor, gen: torch.Generator, iters: int = 3
     return (U @ v).norm(dim=1).squeeze(-1)
 
 
-def measure(backend: str, steps: int, div: int, device: torch.device) -> list[dict]:
+def measure(
+    backend: str, steps: int, div: int, device: torch.device, momentum: float = 0.95
+) -> list[dict]:
     """Rows ``{backend, shape, input, max_sigma, finite}`` of ``steps`` steps on ``backend``."""
     shapes = [(count, (m // div, n // div)) for count, (m, n) in SHAPES]
     params = [
@@ -91,7 +96,7 @@ def measure(backend: str, steps: int, div: int, device: torch.device) -> list[di
     ]
     opt = MuonForeach(
         [p for group in params for p in group],
-        lr=1.0, momentum=0.0, wd=0.0, lr_adjust="none", backend=backend,
+        lr=1.0, momentum=momentum, wd=0.0, lr_adjust="none", backend=backend,
     )  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(0)
     worst: dict[tuple, dict] = {}
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default=BACKENDS, help=f"comma-separated (default {BACKENDS})")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per backend")
+    p.add_argument("--momentum", type=float, default=0.95, help="0: the direction is the gradient")
     p.add_argument("--div", type=int, default=1, help="divide every matrix dimension by this")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--limit", type=float, default=1.25, help="largest singular value allowed")
@@ -128,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(auto if args.device == "auto" else args.device)
     rows = []
     for backend in (b for b in args.backends.split(",") if b):
-        rows += measure(backend, args.steps, args.div, device)
+        rows += measure(backend, args.steps, args.div, device, args.momentum)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"update_spectrum: {name}, torch {torch.__version__}, {args.steps} steps per backend")
+    print(f"update_spectrum: {name}, torch {torch.__version__}, {args.steps} steps per backend, "
+          f"momentum {args.momentum}")  # fmt: skip
     print("| backend | shape | input | largest singular value | finite |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
               f"value {r['max_sigma']:.4f} (limit {args.limit})")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                         "steps": args.steps, "rows": rows}, indent=1))  # fmt: skip
+                                         "steps": args.steps, "momentum": args.momentum,
+                                         "rows": rows}, indent=1))  # fmt: skip
     return 1 if bad else 0
 
 

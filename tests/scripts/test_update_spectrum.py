@@ -16,10 +16,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import update_spectrum as us  # noqa: E402
 
 
-def test_every_backend_keeps_the_update_orthogonal(tmp_path, capsys):
+@pytest.mark.parametrize("momentum", ["0.95", "0"])
+def test_every_backend_keeps_the_update_orthogonal(tmp_path, capsys, momentum):
     out = tmp_path / "spectrum.json"
     argv = ["--div", "16", "--steps", str(len(us.INPUTS)), "--device", "cpu", "--json", str(out)]
-    assert us.main(argv) == 0
+    assert us.main([*argv, "--momentum", momentum]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(us.BACKENDS.split(",")) * len(us.SHAPES) * len(us.INPUTS)
     assert all(r["finite"] and 0.9 < r["max_sigma"] < 1.2 for r in rows), rows
