@@ -200,7 +200,7 @@ def summary(out: Path) -> tuple[str, bool]:
             status, detail = bench_part(out, rc, compiled)
         elif name == "compile":
             status, detail, _ = compile_part(out, rc)
-        else:  # peers, spectrum, tune: their exit status and log
+        else:  # peers, spectrum, stability, tune: their exit status and log
             status, detail = verdict(rc, True), [f"log: {out / (name + '.log')}"]
         if rc == NOT_RUN:
             status, detail = "NOT RUN", ["no time left within TOTAL_S"]

@@ -22,6 +22,10 @@
 # spectrum scripts/update_spectrum.py: the largest singular value of Muon's update through the
 #          optimizer's step on every backend, stress inputs, 30 steps (a path whose updates grow
 #          fails): spectrum.log, spectrum.json                                  SPECTRUM_S (200)
+# stability scripts/stability_check.py: the convergence model trained with Muon (lr 4e-3, a
+#          150-step schedule) once per backend, the runs side by side; a run that diverges
+#          fails it: stability/ (each run's train.log, stability.md), stability.log
+#                                                                          STABILITY_S (500)
 # tune     the symmetric kernel autotuned afresh on this GPU (no shipped table borrowed): the
 #          table to ship in muon_plugin/kernels/tuned/ lands in $OUT/autotune/     TUNE_S (400)
 #
@@ -76,8 +80,9 @@ for phase in $PHASES; do
     compile) budget="${COMPILE_S:-300}" ;;
     peers) budget="${PEERS_S:-500}" ;;
     spectrum) budget="${SPECTRUM_S:-200}" ;;
+    stability) budget="${STABILITY_S:-500}" ;;
     tune) budget="${TUNE_S:-400}" ;;
-    *) echo "unknown phase: $phase (tests, train, bench, compile, peers, spectrum, tune)" >&2; continue ;;
+    *) echo "unknown phase: $phase (tests, train, bench, compile, peers, spectrum, stability, tune)" >&2; continue ;;
     esac
     left=$((TOTAL_S - (SECONDS - START)))
     limit=$((budget < left ? budget : left))
@@ -141,6 +146,13 @@ for phase in $PHASES; do
         [[ "${SMOKE:-0}" == 1 ]] && spectrum_args=(--div 16 --steps 6 --device cpu)
         run_py timeout -k 5 "$limit" "$PY" scripts/update_spectrum.py ${spectrum_args[@]+"${spectrum_args[@]}"} \
             --json "$OUT/spectrum.json" >"$OUT/spectrum.log" 2>&1
+        rc=$?
+        ;;
+    stability)
+        stability_args=(--timeout $((limit > 60 ? limit - 30 : limit)))
+        [[ "${SMOKE:-0}" == 1 ]] && stability_args=(--dry-run)
+        PYTHON="$PY" run_py timeout -k 40 "$limit" "$PY" scripts/stability_check.py \
+            "${stability_args[@]}" --out "$OUT/stability" >"$OUT/stability.log" 2>&1
         rc=$?
         ;;
     tune)

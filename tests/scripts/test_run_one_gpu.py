@@ -165,15 +165,20 @@ def test_summary_counts_the_compiled_row_and_cpu_only_skips(tmp_path: Path) -> N
     assert not one_gpu_summary.summary(tmp_path)[1]
 
 
-def test_the_spectrum_phase_checks_every_backend(tmp_path: Path) -> None:
-    """The spectrum phase (not a default one) in SMOKE mode: update_spectrum.py on the CPU at
-    small sizes, PASS, its rows for every backend kept in spectrum.json."""
+def test_the_spectrum_and_stability_phases_check_every_backend(tmp_path: Path) -> None:
+    """The spectrum and stability phases (not default ones) in SMOKE mode: update_spectrum.py on
+    the CPU at small sizes, PASS, its rows for every backend kept in spectrum.json; the
+    stability check's runs listed (--dry-run: training them is the GPU's work)."""
     out = tmp_path / "out"
     env = dict(os.environ, SMOKE="1", OUT=str(out), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
-    cmd = ["bash", str(ROOT / "scripts" / "run_one_gpu.sh"), "spectrum"]
+    cmd = ["bash", str(ROOT / "scripts" / "run_one_gpu.sh"), "spectrum", "stability"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "  spectrum PASS" in proc.stdout
+    assert "  spectrum PASS" in proc.stdout and "  stability PASS" in proc.stdout
+    listed = (out / "stability.log").read_text().splitlines()
+    assert [ln.split("--optimizer.muon.backend ")[1].split()[0] for ln in listed] == [
+        "auto", "eager", "auto:no-gram", "auto:no-triton"
+    ]  # fmt: skip
     rows = json.loads((out / "spectrum.json").read_text())["rows"]
     assert {r["backend"] for r in rows} == {
         "auto",
