@@ -32,6 +32,7 @@ DCP), subclassed, except:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any, NoReturn
@@ -179,7 +180,22 @@ def recipe_main(cfg: DictConfig) -> None:
     except TorchtuneConfigError as e:
         _config_error(e)
     recipe.train()
+    gloo = dist.is_initialized() and dist.get_backend() == "gloo"
     recipe.cleanup()
+    if gloo:
+        leave_without_teardown()
+
+
+def leave_without_teardown() -> NoReturn:
+    """End a gloo run that has finished and cleaned up (checkpoints written, process group
+    destroyed, loggers closed) without the interpreter's teardown: gloo's threads can make that
+    teardown abort ("terminate called without an active exception", SIGABRT) on a loaded
+    machine, which failed a run after the fact. Logging and the standard streams are flushed
+    first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

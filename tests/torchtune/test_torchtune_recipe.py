@@ -213,3 +213,24 @@ def test_optimizer_in_bwd_fails_in_one_line(monkeypatch, capsys) -> None:
     )  # Python prints a SystemExit message as that one line and exits with status 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""  # before the config dump or any set-up
+
+
+def test_a_finished_gloo_run_leaves_without_the_interpreter_teardown(monkeypatch) -> None:
+    """gloo's threads can abort the teardown of a run that succeeded (SIGABRT, which failed the
+    FSDP runs above once on a loaded machine): a finished gloo run flushes and leaves with 0."""
+    import logging
+    import os
+
+    from muon_plugin.torchtune import full_finetune
+
+    calls = []
+    monkeypatch.setattr(logging, "shutdown", lambda: calls.append("logging"))
+
+    def exit_now(code: int) -> None:
+        calls.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit):
+        full_finetune.leave_without_teardown()
+    assert calls == ["logging", 0]
