@@ -549,11 +549,16 @@ def plot(records: list[dict], path: Path) -> bool:
 # -------------------------------------------------------------------------------------- main
 
 
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(the script's arguments, the job overrides after "--")``."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_extra(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_convergence")
     p.add_argument("--optimizers", default="adamw,muon")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
-from bench_convergence import CONFIG, parse_curves, prepare_data  # noqa: E402
+from bench_convergence import CONFIG, parse_curves, prepare_data, split_extra  # noqa: E402
 from bench_scaling import run_torchrun  # noqa: E402
 
 BACKENDS = "auto,eager,auto:no-gram,auto:no-triton"
@@ -78,10 +78,7 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_extra(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default=BACKENDS, help=f"comma-separated (default {BACKENDS})")
     p.add_argument("--lr", type=float, default=4e-3)
