@@ -107,7 +107,7 @@ def _write_corpus(folder: Path, texts: list[str]) -> Path:
     return folder
 
 
-def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
+def _common(assets: Path, corpus: Path, dump: Path, steps: int, interval: int = 1000) -> list[str]:
     return [
         "--optimizer.muon.normalization", "normuon",
         "--hf_assets_path", str(assets / "tokenizer"),
@@ -117,14 +117,14 @@ def _common(assets: Path, corpus: Path, dump: Path, steps: int) -> list[str]:
         "--training.local_batch_size", str(BATCH),
         "--lr_scheduler.warmup_steps", "2",
         "--lr_scheduler.total_steps", str(TOTAL),  # the same schedule in the split runs
-        "--checkpoint.interval", "1000",
+        "--checkpoint.interval", str(interval),
         *QK_CLIP,
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(assets: Path, tmp_path_factory) -> dict:
-    """An uninterrupted FSDP=2 run of TOTAL steps and an identical one saving at SPLIT.
+    """An uninterrupted FSDP=2 run of TOTAL steps that saves a checkpoint at step SPLIT.
 
     Every document is one sample; the FSDP corpus is the list D twice, so each FSDP rank
     (a contiguous half) reads D. The dataloader state cannot be resharded (dp 2 -> 1): the
@@ -133,11 +133,11 @@ def fsdp_runs(assets: Path, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("titan03_ckpt")
     docs = _exact_chunks(assets, 24)
     corpus = _write_corpus(tmp / "corpus_fsdp", docs + docs)
-    ref = run(_common(assets, corpus, tmp / "ref", TOTAL), tmp)
-    first = run([*_common(assets, corpus, tmp / "first", SPLIT), "--checkpoint.enable"], tmp)
-    ckpt = tmp / "first" / "checkpoint"
-    assert (ckpt / f"step-{SPLIT}").is_dir(), sorted(p.name for p in ckpt.iterdir())
-    return {"ref": ref, "first": losses(first), "checkpoint": ckpt, "docs": docs}
+    args = [*_common(assets, corpus, tmp / "ref", TOTAL, interval=SPLIT), "--checkpoint.enable"]
+    ref = run(args, tmp)
+    ckpt = tmp / "ref" / "checkpoint" / f"step-{SPLIT}"
+    assert ckpt.is_dir(), sorted(p.name for p in ckpt.parent.iterdir())
+    return {"ref": ref, "checkpoint": ckpt, "docs": docs}
 
 
 def test_fsdp2_trains_with_normuon(fsdp_runs: dict) -> None:
@@ -158,11 +158,10 @@ def test_fsdp2_trains_with_normuon(fsdp_runs: dict) -> None:
 def test_checkpoint_from_fsdp2_resumes_under_tp2(
     assets: Path, fsdp_runs: dict, tmp_path: Path
 ) -> None:
-    ref, first = losses(fsdp_runs["ref"]), fsdp_runs["first"]
-    for s in range(1, SPLIT + 1):
-        assert first[s] == pytest.approx(ref[s], abs=1e-4), (s, first, ref)
+    ref = losses(fsdp_runs["ref"])
     corpus = _write_corpus(tmp_path / "corpus", fsdp_runs["docs"][SPLIT * BATCH :])
-    shutil.copytree(fsdp_runs["checkpoint"], tmp_path / "run" / "checkpoint")
+    # Only the step-SPLIT checkpoint: the run also saved its last step, which would be loaded.
+    shutil.copytree(fsdp_runs["checkpoint"], tmp_path / "run" / "checkpoint" / f"step-{SPLIT}")
     log = run(
         [
             *_common(assets, corpus, tmp_path / "run", TOTAL),
