@@ -184,7 +184,7 @@ def train_one(run: Run, args, concurrent: int = 1) -> dict:
         "tps": tps,
         "diverged_at": diverged,  # the first logged step with a non-finite loss, or None
         "max_logit": qk_clip_curves.parse(ANSI_RE.sub("", text)),  # runs with QK-Clip only
-        "machine": machine_text(args.nproc),
+        "machine": args.machine,
         "date": datetime.date.today().isoformat(),
         "corpus": getattr(args, "corpus", None),  # the training corpus's sha256 (16 digits)
     }
@@ -695,7 +695,7 @@ def run_plan(args, data: dict, store: Path) -> list[dict]:
             finished = list(pool.map(train_one, batch, [args] * n, [n] * n))
         names = {r["name"] for r in finished}
         records = [r for r in records if r["name"] not in names] + finished
-        data.update(runs=records, machine=machine_text(args.nproc),
+        data.update(runs=records, machine=args.machine,
                     date=datetime.date.today().isoformat())  # fmt: skip
         store.write_text(json.dumps(data))
         failed = [r for r in finished if r["status"] != "ok"]

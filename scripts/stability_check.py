@@ -36,9 +36,14 @@ from bench_scaling import run_torchrun  # noqa: E402
 BACKENDS = "auto,eager,auto:no-gram,auto:no-triton"
 
 
+def run_dir(backend: str, args: argparse.Namespace) -> Path:
+    """``backend``'s run folder (its dump folder, where its train.log goes too)."""
+    return args.out / backend.replace(":", "_").replace(",", "_")
+
+
 def command(backend: str, args: argparse.Namespace) -> list[str]:
     """The train.sh command line of ``backend``'s run."""
-    dump = args.out / backend.replace(":", "_").replace(",", "_")
+    dump = run_dir(backend, args)
     return [
         "bash", str(ROOT / "scripts" / "train.sh"), str(CONFIG),
         "--optimizer.name", "muon", "--optimizer.lr", f"{args.lr:g}",
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(backend: str) -> dict:
         print(f"[stability_check] {backend}: {' '.join(commands[backend][2:])}", flush=True)
         text, rc = run_torchrun(commands[backend], args.timeout, cwd=ROOT, env=env)
-        log = args.out / backend.replace(":", "_").replace(",", "_") / "train.log"
+        log = run_dir(backend, args) / "train.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(text)
         return verdict(backend, text, rc)

@@ -32,6 +32,7 @@ from muon_plugin.qk_clip import AttentionHeads, Visibility, mla, separate_projec
 __all__ = [
     "INNER_ATTENTIONS",
     "check_inner",
+    "inner_attention_check",
     "describe_attention",
     "WAY_OUT",
     "documents_of",
@@ -77,14 +78,24 @@ INNER_ATTENTIONS = (
 """The ``inner_attention`` types whose calls QK-Clip reads."""
 
 
-def check_inner(fqn: str, inner: nn.Module) -> None:
-    """Refuse an ``inner_attention`` whose call QK-Clip cannot read."""
-    if type(inner).__name__ not in INNER_ATTENTIONS:
-        raise QKClipRefused(
-            f"QK-Clip: {fqn}.inner_attention is a {type(inner).__name__}, whose logits QK-Clip "
-            f"cannot record (it knows torchtitan's SDPA, FlexAttention and varlen wrappers): "
-            f"{WAY_OUT}"
-        )
+def inner_attention_check(
+    known: tuple[str, ...], described: str
+) -> Callable[[str, nn.Module], None]:
+    """The check that refuses an ``inner_attention`` whose type is not in ``known`` (the
+    release's attention types QK-Clip can read; ``described``: how the message names them)."""
+
+    def check_inner(fqn: str, inner: nn.Module) -> None:
+        """Refuse an ``inner_attention`` whose call QK-Clip cannot read."""
+        if type(inner).__name__ not in known:
+            raise QKClipRefused(
+                f"QK-Clip: {fqn}.inner_attention is a {type(inner).__name__}, whose logits "
+                f"QK-Clip cannot record (it knows torchtitan's {described}): {WAY_OUT}"
+            )
+
+    return check_inner
+
+
+check_inner = inner_attention_check(INNER_ATTENTIONS, "SDPA, FlexAttention and varlen wrappers")
 
 
 def visibility_hook(fqn: str, inner: nn.Module, record: Recorder) -> Any:

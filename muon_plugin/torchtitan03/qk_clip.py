@@ -32,6 +32,7 @@ from muon_plugin.qk_clip import AttentionHeads, Visibility, fused_qkv, mla, sepa
 from muon_plugin.torchtitan.qk_clip import (
     WAY_OUT,
     documents_of,
+    inner_attention_check,
     inner_attention_describer,
     qk_clip_group,
     qk_norm_refused,
@@ -105,14 +106,9 @@ def _visibility(fqn: str, inner: nn.Module, q: Any, kwargs: dict) -> Visibility:
     return Visibility(mask_mod=masks.mask_mod, mask_shape=(batch, heads), block_mask=masks)
 
 
-def check_inner(fqn: str, inner: nn.Module) -> None:
-    """Refuse an ``inner_attention`` whose call QK-Clip cannot read."""
-    if type(inner).__name__ not in INNER_ATTENTIONS:
-        raise QKClipRefused(
-            f"QK-Clip: {fqn}.inner_attention is a {type(inner).__name__}, whose logits QK-Clip "
-            f"cannot record (it knows torchtitan's FlexAttention, VarlenAttention and "
-            f"ScaledDotProductAttention): {WAY_OUT}"
-        )
+check_inner = inner_attention_check(
+    INNER_ATTENTIONS, "FlexAttention, VarlenAttention and ScaledDotProductAttention"
+)
 
 
 def visibility_hook(fqn: str, inner: nn.Module, record: Recorder) -> Any:

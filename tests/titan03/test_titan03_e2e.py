@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from qk_clip_log import check_clipping, clip_lines
+from sample_corpus import exact_chunks, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 TAU = 0.7
@@ -78,35 +78,6 @@ def losses(log: str) -> dict[int, float]:
     return found
 
 
-def _exact_chunks(assets: Path, n: int, tokens: int = 255) -> list[str]:
-    """Texts of exactly ``tokens`` ids: with BOS/EOS each is one seq_len-256 sample."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(assets / "tokenizer" / "tokenizer.json"))
-    ids: list[int] = []
-    with open(assets / "corpus" / "data.json", encoding="utf-8") as f:
-        for line in f:
-            ids.extend(tok.encode(json.loads(line)["text"]).ids)
-            if len(ids) > 3 * n * tokens:
-                break
-    chunks = []
-    for i in range(0, len(ids) - tokens, tokens):
-        text = tok.decode(ids[i : i + tokens])
-        if len(tok.encode(text).ids) == tokens:
-            chunks.append(text)
-            if len(chunks) == n:
-                return chunks
-    raise AssertionError("not enough text for the checkpoint test corpus")
-
-
-def _write_corpus(folder: Path, texts: list[str]) -> Path:
-    folder.mkdir(parents=True)
-    with open(folder / "data.json", "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
-    return folder
-
-
 def _common(assets: Path, corpus: Path, dump: Path, steps: int, interval: int = 1000) -> list[str]:
     return [
         "--optimizer.muon.normalization", "normuon",
@@ -131,8 +102,8 @@ def fsdp_runs(assets: Path, tmp_path_factory) -> dict:
     resumed run skips it and reads D without the first SPLIT * BATCH documents.
     """
     tmp = tmp_path_factory.mktemp("titan03_ckpt")
-    docs = _exact_chunks(assets, 24)
-    corpus = _write_corpus(tmp / "corpus_fsdp", docs + docs)
+    docs = exact_chunks(assets, 24)
+    corpus = write_corpus(tmp / "corpus_fsdp", docs + docs)
     args = [*_common(assets, corpus, tmp / "ref", TOTAL, interval=SPLIT), "--checkpoint.enable"]
     ref = run(args, tmp)
     ckpt = tmp / "ref" / "checkpoint" / f"step-{SPLIT}"
@@ -159,7 +130,7 @@ def test_checkpoint_from_fsdp2_resumes_under_tp2(
     assets: Path, fsdp_runs: dict, tmp_path: Path
 ) -> None:
     ref = losses(fsdp_runs["ref"])
-    corpus = _write_corpus(tmp_path / "corpus", fsdp_runs["docs"][SPLIT * BATCH :])
+    corpus = write_corpus(tmp_path / "corpus", fsdp_runs["docs"][SPLIT * BATCH :])
     # Only the step-SPLIT checkpoint: the run also saved its last step, which would be loaded.
     shutil.copytree(fsdp_runs["checkpoint"], tmp_path / "run" / "checkpoint" / f"step-{SPLIT}")
     log = run(

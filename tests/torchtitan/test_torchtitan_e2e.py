@@ -19,7 +19,6 @@ launches in all: each run checks as much as it can, to keep the file's time down
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from qk_clip_log import check_clipping, clip_lines
+from sample_corpus import exact_chunks, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "llama3_debug_muon.toml"
@@ -176,36 +176,6 @@ def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     assert len(lines) == steps  # one per logged training step (validation steps add none)
 
 
-def _exact_chunks(assets: Path, n: int, tokens: int = 255) -> list[str]:
-    """Texts that tokenize to exactly ``tokens`` ids: with BOS/EOS each is one 257-token
-    sample of seq_len 256, so a document list maps one-to-one onto training samples."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(assets / "tokenizer" / "tokenizer.json"))
-    ids: list[int] = []
-    with open(assets / "corpus" / "data.json", encoding="utf-8") as f:
-        for line in f:
-            ids.extend(tok.encode(json.loads(line)["text"]).ids)
-            if len(ids) > 3 * n * tokens:
-                break
-    chunks = []
-    for i in range(0, len(ids) - tokens, tokens):
-        text = tok.decode(ids[i : i + tokens])
-        if len(tok.encode(text).ids) == tokens:
-            chunks.append(text)
-            if len(chunks) == n:
-                return chunks
-    raise AssertionError("not enough text for the checkpoint test corpus")
-
-
-def _write_corpus(folder: Path, texts: list[str]) -> Path:
-    folder.mkdir(parents=True)
-    with open(folder / "data.json", "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
-    return folder
-
-
 TOTAL, SPLIT, BATCH = 8, 4, 2
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 # layout: (processes, data-parallel ranks, arguments)
@@ -252,8 +222,8 @@ def fsdp_checkpoint(assets: Path, tmp_path_factory) -> dict:
     first steps consumed (repeated once per data-parallel rank).
     """
     tmp = tmp_path_factory.mktemp("titan_ckpt")
-    docs = _exact_chunks(assets, 24)
-    corpus = _write_corpus(tmp / "corpus_fsdp", docs + docs)
+    docs = exact_chunks(assets, 24)
+    corpus = write_corpus(tmp / "corpus_fsdp", docs + docs)
     ref_log = run_titan(
         _common(assets)
         + FSDP2
@@ -288,7 +258,7 @@ def test_checkpoint_from_fsdp2_resumes(
 
     nproc, dp, layout_args = LAYOUTS[layout]
     rest = fsdp_checkpoint["docs"][SPLIT * BATCH :]
-    corpus = _write_corpus(tmp_path / "corpus", rest * dp)
+    corpus = write_corpus(tmp_path / "corpus", rest * dp)
     saved = tmp_path / "run" / "checkpoint" / fsdp_checkpoint["checkpoint"].name
     shutil.copytree(fsdp_checkpoint["checkpoint"], saved)
     log = run_titan(
