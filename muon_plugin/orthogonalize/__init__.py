@@ -42,10 +42,10 @@ from muon_plugin.orthogonalize.coefficients import (
 )
 from muon_plugin.orthogonalize.graphs import GraphedOrthogonalization, use_cuda_graph
 from muon_plugin.orthogonalize.iterations import (
+    GRAM_RESTART_INTERVAL,
     GRAM_SCALE_CAP,
     IterationPath,
     Normalization,
-    gram_restart_interval,
     iterate,
     iterate_gram,
     run_iteration,
@@ -84,7 +84,7 @@ __all__ = [
     "elementwise_kernels_allowed",
     "environment_overrides",
     "get_backend",
-    "gram_restart_interval",
+    "GRAM_RESTART_INTERVAL",
     "iterate",
     "iterate_gram",
     "iteration_path",

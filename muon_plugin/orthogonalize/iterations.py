@@ -298,16 +298,14 @@ def _is_transposed(X: Tensor) -> bool:
 
 # Gram-space iteration: the Gram matrix is stored as GRAM_SCALE_CAP-capped ``m * X X^T`` in
 # fp16 (entries of order one, 3 more mantissa bits than bf16), and X and its Gram matrix are
-# re-formed after every 3 steps (every 2 below m = 256), before rounding errors in the
-# accumulated polynomial grow. Measured against the fp64 loop (tests, docs/performance.md):
-# with these intervals the result is closer to it than the bf16 plain loop's; one more step
-# between restarts is not, for small m.
+# re-formed after every 2 steps: the accumulated ``Q`` grows, in the directions of small
+# singular values, like the product of the steps' leading coefficients (8.2 x 4.1 x 3.9 for
+# Polar Express's first three), and its fp16 rounding leaks the dominant direction into them;
+# with 3 steps between restarts an ill-conditioned momentum (a rank-one gradient over a
+# Gaussian bulk) came out with singular values of 20-45, non-finite with the kernel's mirrored
+# products (tests/orthogonalize/test_gram_stability.py; docs/design/gram_space.md).
 GRAM_SCALE_CAP = 8192.0
-
-
-def gram_restart_interval(m: int) -> int:
-    """Steps accumulated in Gram space before ``X`` and its Gram matrix are re-formed."""
-    return 3 if m >= 256 else 2
+GRAM_RESTART_INTERVAL = 2  # steps accumulated in Q before X and its Gram matrix are re-formed
 
 
 def iterate_gram(
@@ -327,7 +325,7 @@ def iterate_gram(
     ``Q``s and ``R``s commute and ``R_{k+1} = Q_k R_k Q_k``: the steps run on ``m x m``
     symmetric matrices (half-cost symmetric products) and ``X`` is touched only when the
     accumulated ``Q = Q_0 Q_1 ...`` is applied, at a restart (every ``restart_every`` steps,
-    default :func:`gram_restart_interval`, which bounds the error of the accumulated product)
+    default :data:`GRAM_RESTART_INTERVAL`, which bounds the error of the accumulated product)
     and at the end. For ``n >> m`` this skips most of the ``m x n`` work of :func:`iterate`.
     The ``m x m`` matrices are fp16 (the Gram matrix scaled by ``m``), ``X`` stays bf16; the
     products run in the Triton kernel where ``path`` says so, else as fp16 torch products.
@@ -336,11 +334,13 @@ def iterate_gram(
     squared, the first ``Q`` applied to ``X`` by the norm (with ``normalize.aol``: ``D A D``
     and ``Q D``, AOL's row factors ``D``). ``out``: a contiguous bf16 buffer
     shaped like the result (``X``, or ``X^T`` with ``transpose_result``) that the caller no
-    longer needs, typically the input's own storage: the result is written into it once a
-    restart has re-formed ``X`` elsewhere (one stack less to allocate).
+    longer needs, typically the input's own storage. Once a restart has re-formed ``X``
+    elsewhere, the next ``X`` (or the result) goes into the buffer the previous one left: two
+    stacks are alive at a restart however many restarts there are (one stack less to
+    allocate than without ``out``).
     """
     if restart_every is None:
-        restart_every = gram_restart_interval(X.size(-2))
+        restart_every = GRAM_RESTART_INTERVAL
     xx = {"kernel": path.xx_triton, "tma": path.tma}
     mm = {"kernel": path.mm_triton, "tma": path.tma}
     s = min(float(X.size(-2)), GRAM_SCALE_CAP)
@@ -355,7 +355,10 @@ def iterate_gram(
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed
-    result_into = None  # ``out`` once a restart has re-formed X elsewhere
+    # A contiguous buffer of X's size that nothing reads any more: ``out`` once a restart has
+    # re-formed X elsewhere, then the X each later restart replaces.
+    free: Tensor | None = None
+    restarted = False
     last = len(coefficients) - 1
     # Temporaries are dropped (``del``) as soon as they have been used.
     for i, (a, b, c) in enumerate(coefficients):
@@ -368,8 +371,11 @@ def iterate_gram(
             break
         if taken == restart_every:
             del R, Z
-            X = torch.bmm(_applied(Q, inv, X.dtype), X)
-            Q, taken, inv, result_into = None, 0, None, out
+            X_old, X = X, torch.bmm(_applied(Q, inv, X.dtype), X, out=_as(free, X.shape))
+            free = X_old if restarted else out  # the input's storage is ``out``'s to give
+            restarted = True
+            del X_old
+            Q, taken, inv = None, 0, None
             R = gram(X, alpha=s, out_dtype=half, **xx)
         else:
             R = gram(gram(Z, Y=R, **mm), Y=Z, **mm)  # Z R Z, symmetric since Z and R commute
@@ -379,8 +385,13 @@ def iterate_gram(
     Q = _applied(Q, inv, X.dtype)
     if transpose_result:  # (Q X)^T = X^T Q^T; Q^T = Q unless AOL's factors are still in it
         Qt = Q.mT if inv is not None and inv.size(-1) > 1 else Q
-        return torch.bmm(X.mT, Qt, out=result_into)
-    return torch.bmm(Q, X, out=result_into)
+        return torch.bmm(X.mT, Qt, out=_as(free, X.mT.shape))
+    return torch.bmm(Q, X, out=_as(free, X.shape))
+
+
+def _as(buffer: Tensor | None, shape: torch.Size) -> Tensor | None:
+    """``buffer``'s storage viewed as a contiguous tensor of ``shape`` (same element count)."""
+    return None if buffer is None else buffer.view(shape)
 
 
 def _applied(Q: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:

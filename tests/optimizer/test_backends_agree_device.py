@@ -1,0 +1,128 @@
+"""Every built-in backend's update equals the plain backend's, step after step, through the
+optimizer's whole step, on the matrix shapes of the models the benchmarks train.
+
+On a GPU this is where the paths differ: stacks replayed from CUDA graphs (on side streams, in
+phases), the Triton symmetric kernel in its graphed region (m >= 768), Gram space with its
+fp16 products, TMA loads, the fused update kernel. Each backend gets the same gradients
+(Gaussian, rank one plus noise, decaying spectrum, one dominant singular value, tiny), at lr 1
+from zero weights, so each step's update is the orthogonalized momentum itself; it must stay
+finite, keep its largest singular value near 1 and match the plain bf16 loop's within the
+iteration's own rounding. On a CPU the same runs at a reduced size (the CPU paths).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from muon_plugin import MuonForeach
+
+CUDA = torch.cuda.is_available()
+# (count, shape) of each model's Muon matrices: the convergence benchmark's 88M llama3 and
+# GPT-125M (the step benchmark's small model).
+MODELS = {
+    "llama88m": ((48, (768, 768)), (24, (2048, 768)), (12, (768, 2048))),
+    "gpt125m": ((48, (768, 768)), (12, (3072, 768)), (12, (768, 3072))),
+}
+BACKENDS = (
+    "auto",
+    "eager",
+    "auto:no-gram",
+    "auto:no-triton",
+    "auto:no-half",
+    "auto:no-tma",
+    "cublas",
+)
+INPUTS = ("gauss", "rank1+noise", "decay2", "spike", "tiny", "gauss", "rank1+noise", "decay2")
+STEPS = len(INPUTS) if CUDA else 3
+DIV = 1 if CUDA else 16  # every dimension divided by this on a CPU
+# Relative Frobenius distance to the plain loop's update: the bf16 loop and the fp16 / kernel
+# forms each round differently (about 1e-2 on Gaussian inputs; more where small singular
+# values are far from converged, as with rank one plus noise).
+TOLERANCE = 0.1
+SIGMA_MAX = 1.25  # Polar Express ends at most about 1.13 above its smallest singular values
+
+
+def gradient(kind: str, count: int, m: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``(count, m, n)`` gradients of the input ``kind`` (made on the CPU: the same everywhere)."""
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    if kind == "gauss":
+        return randn(count, m, n)
+    outer = randn(count, m, 1) @ randn(count, 1, n)
+    if kind == "rank1+noise":
+        return outer + 1e-3 * randn(count, m, n)
+    if kind == "tiny":
+        return 1e-6 * outer
+    r = min(m, n)
+    left = torch.linalg.qr(randn(count, m, r))[0]
+    right = torch.linalg.qr(randn(count, n, r))[0]
+    sv = torch.ones(r)
+    if kind == "decay2":
+        sv = torch.arange(1, r + 1, dtype=torch.float32) ** -2
+    else:  # spike
+        sv[0] = 1e4
+    return (left * sv) @ right.mT
+
+
+@functools.cache
+def gradients(model: str) -> list[list[torch.Tensor]]:
+    """Per step, per shape, the ``(count, m, n)`` gradients every backend is given."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
+    return [[gradient(kind, c, m, n, gen) for c, (m, n) in shapes] for kind in INPUTS[:STEPS]]
+
+
+def updates(backend: str, model: str, device: str) -> list[list[torch.Tensor]]:
+    """Per step, per shape, the stacked updates (fp32, on the CPU) of ``backend``."""
+    shapes = [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
+    params = [
+        [torch.nn.Parameter(torch.zeros(shape, device=device)) for _ in range(count)]
+        for count, shape in shapes
+    ]
+    opt = MuonForeach(
+        [p for group in params for p in group],
+        lr=1.0, momentum=0.95, wd=0.0, lr_adjust="none", backend=backend,
+    )  # fmt: skip
+    out = []
+    for step_grads in gradients(model):
+        for group, grads in zip(params, step_grads, strict=True):
+            for p, g in zip(group, grads.to(device), strict=True):
+                p.grad = g
+        before = [torch.stack([p.detach() for p in group]).clone() for group in params]
+        opt.step()
+        out.append(
+            [(b - torch.stack([p.detach() for p in group])).float().cpu()
+             for b, group in zip(before, params, strict=True)]
+        )  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_updates() -> dict:
+    return {}
+
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("model", list(MODELS) if CUDA else ["llama88m"])
+@pytest.mark.parametrize("backend", BACKENDS if CUDA else ("auto", "auto:no-gram"))
+def test_backend_update_equals_plain(backend, model, plain_updates):
+    if model not in plain_updates:
+        plain_updates[model] = updates("plain", model, DEVICE)
+    reference = plain_updates[model]
+    got = updates(backend, model, DEVICE)
+    shapes = MODELS[model]
+    for step, (kind, ours, ref) in enumerate(zip(INPUTS, got, reference, strict=False)):
+        for (_, shape), u, r in zip(shapes, ours, ref, strict=True):
+            where = f"{backend}, {model} {shape}, step {step} ({kind})"
+            assert torch.isfinite(u).all(), f"{where}: non-finite update"
+            sigma = torch.linalg.matrix_norm(u, ord=2).max().item()
+            assert sigma < SIGMA_MAX, f"{where}: largest singular value {sigma:.3f}"
+            err = ((u - r).norm() / r.norm()).item()
+            assert err < TOLERANCE, f"{where}: {err:.4f} from the plain loop's update"
