@@ -51,7 +51,7 @@ GPU_TESTS="tests/kernels/test_kernels.py tests/orthogonalize/test_cuda_graphs.py
     tests/optimizer/test_step_memory.py tests/kernels/test_tuning_cache.py tests/scripts/test_benchmark_smoke.py
     tests/kernels/test_matrix_scale.py tests/distributed/test_two_ranks_one_gpu.py
     tests/optimizer/test_normuon_device.py tests/optimizer/test_backends_agree_device.py
-    tests/orthogonalize/test_gram_stability.py"
+    tests/orthogonalize/test_gram_stability.py tests/kernels/test_row_factors_kernel.py"
 if [[ "${SMOKE:-0}" == 1 ]]; then
     BENCH_ARGS=(--quick --device cpu)
     MERGE_ARGS=(--quick)

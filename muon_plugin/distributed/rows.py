@@ -25,6 +25,7 @@ from torch import Tensor
 from muon_plugin.distributed.communicator import InFlight, piece
 from muon_plugin.distributed.planner import ROW_WORDS, ShapeGroup
 from muon_plugin.distributed.schedule import WIRE_DTYPE
+from muon_plugin.orthogonalize.backends import elementwise_kernels_allowed
 from muon_plugin.orthogonalize.normuon import normuon_factors_
 
 
@@ -154,9 +155,13 @@ def row_factors(group: ShapeGroup, result: Any, states: Tensor | None) -> Tensor
     normalization or owned units."""
     if group.rows is None or result is None:
         return None
-    assert states is not None
+    assert states is not None and group.path is not None
+    kernel = elementwise_kernels_allowed(group.path.backend)
     if isinstance(result, Tensor):
-        return normuon_factors_(result, states, group.spec)
+        return normuon_factors_(result, states, group.spec, kernel)
     return torch.cat(
-        [normuon_factors_(r[None], states[s : s + 1], group.spec) for s, r in enumerate(result)]
+        [
+            normuon_factors_(r[None], states[s : s + 1], group.spec, kernel)
+            for s, r in enumerate(result)
+        ]
     )

@@ -32,19 +32,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from muon_plugin.kernels.row_factors import row_factors_kernel_
 from muon_plugin.orthogonalize.spec import MatrixSpec, RowNormalization
 
 __all__ = ["normuon_factors_", "row_factors_", "scale_rows"]
 
 
-def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec) -> Tensor:
+def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec, kernel: bool = False) -> Tensor:
     """NorMuon's per-row factors for a stack ``ortho`` (``(S, *shape)``: orthogonalized parameters
     or matrices of ``spec``, bf16 values) with their second moments ``v`` (``(S,
     *spec.row_shape(shape))``, fp32, contiguous, updated in place).
 
     Returns the factors ``f`` (fp32, ``v``'s shape): the update is ``ortho * f`` per row
     (:func:`scale_rows`), which the optimizer's update step applies (fused into its kernel on
-    GPUs), so ``ortho`` itself is only read, once.
+    GPUs), so ``ortho`` itself is only read, once. ``kernel``: steps 1-4 in one Triton launch
+    where it applies (:mod:`muon_plugin.kernels.row_factors`), else torch's vector ops.
     """
     norm = spec.normalization
     if norm is None:
@@ -59,7 +61,13 @@ def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec) -> Tensor:
     X = ortho.reshape(stack, m, n)
     # ||O_r||^2: one pass over the stack, accumulated in fp32 (no fp32 copy of it).
     sum_sq = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
-    factors = row_factors_(sum_sq, v.view(stack, m), _blocks(spec, m, n), n, norm)
+    rows, blocks = v.view(stack, m), _blocks(spec, m, n)
+    factors = None
+    if kernel:
+        frobenius = norm.rescale == "frobenius"
+        factors = row_factors_kernel_(sum_sq, rows, blocks, n, norm.beta2, norm.eps, frobenius)
+    if factors is None:
+        factors = row_factors_(sum_sq, rows, blocks, n, norm)
     return factors.view(v.shape)
 
 
