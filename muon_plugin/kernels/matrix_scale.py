@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from types import ModuleType
 
 import torch
 
+from muon_plugin.kernels.fallback import FAILED, KernelFallback
 from muon_plugin.kernels.symmetric import triton_available
 
-_failed: list[str] = []  # the kernel's launch failed once: torch ops from then on
+_fallback = KernelFallback("per-matrix scaling kernel")
 
 
 @functools.cache
@@ -31,26 +31,19 @@ def _module() -> ModuleType:
 
 
 def _use_kernel(X: torch.Tensor, kernel: bool) -> bool:
-    return kernel and X.is_cuda and not _failed and triton_available() and _module().launchable(X)
+    return (
+        kernel
+        and X.is_cuda
+        and not _fallback.failed
+        and triton_available()
+        and _module().launchable(X)
+    )
 
 
 def _launch(X: torch.Tensor, values: torch.Tensor, band: tuple[float, float] | None) -> bool:
-    """Launch the kernel; False (after one warning) if it cannot be built or launched here.
-
-    The torch ops give the same results, so a kernel that fails (an unsupported GPU or Triton
-    build) costs speed, never a step.
-    """
-    try:
-        _module().scale_matrices_(X, values, band, max_exponent(X.dtype))
-        return True
-    except Exception as e:  # noqa: BLE001 - compile and launch errors of any kind
-        _failed.append(f"{type(e).__name__}: {e}")
-        warnings.warn(
-            f"muon_plugin: the per-matrix scaling kernel failed ({_failed[0][:300]}); "
-            "using torch ops instead (same results)",
-            stacklevel=3,
-        )
-        return False
+    """Launch the kernel; False (after one warning) if it cannot be built or launched here."""
+    launch = _module().scale_matrices_
+    return _fallback.run(launch, X, values, band, max_exponent(X.dtype)) is not FAILED
 
 
 def max_exponent(dtype: torch.dtype) -> int:

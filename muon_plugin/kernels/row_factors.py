@@ -10,14 +10,14 @@ the caller says so, and after a kernel that failed to build or launch (one warni
 from __future__ import annotations
 
 import functools
-import warnings
 from types import ModuleType
 
 import torch
 
+from muon_plugin.kernels.fallback import FAILED, KernelFallback
 from muon_plugin.kernels.symmetric import triton_available
 
-_failed: list[str] = []
+_fallback = KernelFallback("NorMuon row-factor kernel")
 
 
 @functools.cache
@@ -42,17 +42,9 @@ def row_factors_kernel_(
     ``blocks``: ``(first row, rows, output scale)`` per row block; ``frobenius``: the rescale
     keeps ``||O / s||_F`` (else the ``"rms"`` target ``min(rows, cols) / cols``).
     """
-    if _failed or not (sum_sq.is_cuda and triton_available()):
+    if _fallback.failed or not (sum_sq.is_cuda and triton_available()):
         return None
     if not _module().launchable(sum_sq, v):
         return None
-    try:
-        return _module().row_factors_(sum_sq, v, blocks, cols, beta2, eps, frobenius)
-    except Exception as e:  # noqa: BLE001 - compile and launch errors of any kind
-        _failed.append(f"{type(e).__name__}: {e}")
-        warnings.warn(
-            f"muon_plugin: the NorMuon row-factor kernel failed ({_failed[0][:300]}); "
-            "using torch ops instead (same results)",
-            stacklevel=3,
-        )
-        return None
+    factors = _fallback.run(_module().row_factors_, sum_sq, v, blocks, cols, beta2, eps, frobenius)
+    return None if factors is FAILED else factors

@@ -11,6 +11,7 @@ import torch
 from subprocess_env import run_in_interpreter
 
 from muon_plugin.kernels import triton_available
+from muon_plugin.kernels.fallback import KernelFallback
 from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
 
 cuda = pytest.mark.skipif(
@@ -82,10 +83,10 @@ def test_a_kernel_that_fails_warns_once_and_leaves_it_to_torch(monkeypatch):
             Broken.calls += 1
             raise RuntimeError("no kernel for this GPU")
 
-    monkeypatch.setattr(matrix_scale, "_failed", [])
+    monkeypatch.setattr(matrix_scale, "_fallback", KernelFallback("per-matrix scaling kernel"))
     monkeypatch.setattr(matrix_scale, "_module", Broken)
     monkeypatch.setattr(
-        matrix_scale, "_use_kernel", lambda X, kernel: kernel and not matrix_scale._failed
+        matrix_scale, "_use_kernel", lambda X, kernel: kernel and not matrix_scale._fallback.failed
     )
     X = torch.randn(3, 8, 16, dtype=torch.bfloat16)
     f = torch.tensor([0.5, 3.0, 1.0]).view(3, 1, 1)

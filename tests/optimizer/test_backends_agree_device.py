@@ -4,8 +4,9 @@ optimizer's whole step, on the matrix shapes of the models the benchmarks train.
 On a GPU this is where the paths differ: stacks replayed from CUDA graphs (on side streams, in
 phases), the Triton symmetric kernel in its graphed region (m >= 768), Gram space with its
 fp16 products, TMA loads, the fused update kernel. Each backend gets the same gradients
-(Gaussian, rank one plus noise, decaying spectrum, one dominant singular value, tiny), at lr 1
-from zero weights, so each step's update is the orthogonalized momentum itself; it must stay
+(``scripts/update_spectrum.py``'s stress inputs: Gaussian, rank one plus noise, decaying
+spectrum, one dominant singular value, tiny), at lr 1 from zero weights, so each step's
+update is the orthogonalized momentum itself; it must stay
 finite, keep its largest singular value near 1 and match the plain bf16 loop's within the
 iteration's own rounding. On a CPU the same runs at a reduced size (the CPU paths).
 """
@@ -13,11 +14,16 @@ iteration's own rounding. On a CPU the same runs at a reduced size (the CPU path
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from muon_plugin import MuonForeach
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from update_spectrum import stress_input  # noqa: E402  (the stress inputs of its GPU check)
 
 CUDA = torch.cuda.is_available()
 # (count, shape) of each model's Muon matrices: the convergence benchmark's 88M llama3 and
@@ -45,36 +51,12 @@ TOLERANCE = 0.1
 SIGMA_MAX = 1.25  # Polar Express ends at most about 1.13 above its smallest singular values
 
 
-def gradient(kind: str, count: int, m: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """``(count, m, n)`` gradients of the input ``kind`` (made on the CPU: the same everywhere)."""
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-
-    if kind == "gauss":
-        return randn(count, m, n)
-    outer = randn(count, m, 1) @ randn(count, 1, n)
-    if kind == "rank1+noise":
-        return outer + 1e-3 * randn(count, m, n)
-    if kind == "tiny":
-        return 1e-6 * outer
-    r = min(m, n)
-    left = torch.linalg.qr(randn(count, m, r))[0]
-    right = torch.linalg.qr(randn(count, n, r))[0]
-    sv = torch.ones(r)
-    if kind == "decay2":
-        sv = torch.arange(1, r + 1, dtype=torch.float32) ** -2
-    else:  # spike
-        sv[0] = 1e4
-    return (left * sv) @ right.mT
-
-
 @functools.cache
 def gradients(model: str) -> list[list[torch.Tensor]]:
     """Per step, per shape, the ``(count, m, n)`` gradients every backend is given."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
-    return [[gradient(kind, c, m, n, gen) for c, (m, n) in shapes] for kind in INPUTS[:STEPS]]
+    return [[stress_input(kind, c, m, n, gen) for c, (m, n) in shapes] for kind in INPUTS[:STEPS]]
 
 
 def updates(backend: str, model: str, device: str) -> list[list[torch.Tensor]]:
