@@ -172,7 +172,12 @@ def _grouped_decay_update_kernel(
     f_ptrs = u_ptrs  # unused without ROW_SCALE
     if ROW_SCALE:  # one factor per row of row_len consecutive elements
         f_base = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        f_ptrs = f_base + offs // tl.load(row + 5)
+        row_len = tl.load(row + 5)
+        # The tile's first row once per program (a 64-bit division), then each element's row
+        # from its offset within that row's start: under BLOCK + row_len, a 32-bit division.
+        first = start // row_len
+        local = (offs - first * row_len).to(tl.int32)
+        f_ptrs = f_base + first + local // row_len.to(tl.int32)
     if start + BLOCK <= n:
         _decay_update_tile(
             p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, None, P_TY, PROD_TY, MODE, ROW_SCALE

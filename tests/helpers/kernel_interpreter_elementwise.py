@@ -61,6 +61,13 @@ class Cases:
     def __init__(self, block: int) -> None:
         # ragged multi-tile, one element, an exact tile, empty, a small odd one
         self.shapes = [(3, block // 2 + 3), (1,), (block,), (0, 5), (5, 7)]
+        self.block = block
+
+    def with_long_rows(self) -> Cases:
+        """These shapes and rows longer than a tile (a tile inside one row, or across two)."""
+        longer = Cases(self.block)
+        longer.shapes = [*self.shapes, (3, self.block + 5)]
+        return longer
 
     def lists(self, dtypes, misalign=False):
         make = misaligned if misalign else torch.empty
@@ -114,6 +121,7 @@ def decay_update(cases: Cases, functional) -> None:
 
 def decay_update_row_factors(cases: Cases, functional) -> None:
     """NorMuon: the update times one fp32 factor per row (zero factors included)."""
+    cases = cases.with_long_rows()
     for dtypes in [[(f32, bf16)], [(bf16, bf16)], [(f32, f32)]]:
         for cautious in (True, False):
             params, updates = cases.lists(dtypes)
