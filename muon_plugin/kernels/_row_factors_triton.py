@@ -80,7 +80,6 @@ def launchable(sum_sq: torch.Tensor, v: torch.Tensor) -> bool:
         and v.is_contiguous()
         and sum_sq.device == v.device
         and 0 < sum_sq.shape[0] <= _MAX_MATRICES
-        and sum_sq.numel() < 2**62
     )
 
 

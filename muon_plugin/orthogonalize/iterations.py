@@ -355,10 +355,10 @@ def iterate_gram(
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed
-    # A contiguous buffer of X's size that nothing reads any more: ``out`` once a restart has
-    # re-formed X elsewhere, then the X each later restart replaces.
-    free: Tensor | None = None
-    restarted = False
+    # ``free``: a contiguous buffer of X's size that nothing reads any more (the next X or the
+    # result goes there); ``holder``: the buffer X is in, free once a restart moves X (the
+    # input's storage is ``out``'s to give).
+    free, holder = None, out
     last = len(coefficients) - 1
     # Temporaries are dropped (``del``) as soon as they have been used.
     for i, (a, b, c) in enumerate(coefficients):
@@ -371,10 +371,8 @@ def iterate_gram(
             break
         if taken == restart_every:
             del R, Z
-            X_old, X = X, torch.bmm(_applied(Q, inv, X.dtype), X, out=_as(free, X.shape))
-            free = X_old if restarted else out  # the input's storage is ``out``'s to give
-            restarted = True
-            del X_old
+            X = torch.bmm(_applied(Q, inv, X.dtype), X, out=_as(free, X.shape))
+            free, holder = holder, X
             Q, taken, inv = None, 0, None
             R = gram(X, alpha=s, out_dtype=half, **xx)
         else:

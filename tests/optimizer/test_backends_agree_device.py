@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from update_spectrum import stress_input  # noqa: E402  (the stress inputs of its GPU check)
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
 # (count, shape) of each model's Muon matrices: the convergence benchmark's 88M llama3 and
 # GPT-125M (the step benchmark's small model).
 MODELS = {
@@ -51,20 +52,24 @@ TOLERANCE = 0.1
 SIGMA_MAX = 1.25  # Polar Express ends at most about 1.13 above its smallest singular values
 
 
+def shapes(model: str) -> list[tuple[int, tuple[int, int]]]:
+    """``model``'s ``(count, shape)`` at this device's size."""
+    return [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
+
+
 @functools.cache
 def gradients(model: str) -> list[list[torch.Tensor]]:
     """Per step, per shape, the ``(count, m, n)`` gradients every backend is given."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
-    return [[stress_input(kind, c, m, n, gen) for c, (m, n) in shapes] for kind in INPUTS[:STEPS]]
+    sized = shapes(model)
+    return [[stress_input(kind, c, m, n, gen) for c, (m, n) in sized] for kind in INPUTS[:STEPS]]
 
 
-def updates(backend: str, model: str, device: str) -> list[list[torch.Tensor]]:
+def updates(backend: str, model: str) -> list[list[torch.Tensor]]:
     """Per step, per shape, the stacked updates (fp32, on the CPU) of ``backend``."""
-    shapes = [(count, (m // DIV, n // DIV)) for count, (m, n) in MODELS[model]]
     params = [
-        [torch.nn.Parameter(torch.zeros(shape, device=device)) for _ in range(count)]
-        for count, shape in shapes
+        [torch.nn.Parameter(torch.zeros(shape, device=DEVICE)) for _ in range(count)]
+        for count, shape in shapes(model)
     ]
     opt = MuonForeach(
         [p for group in params for p in group],
@@ -73,7 +78,7 @@ def updates(backend: str, model: str, device: str) -> list[list[torch.Tensor]]:
     out = []
     for step_grads in gradients(model):
         for group, grads in zip(params, step_grads, strict=True):
-            for p, g in zip(group, grads.to(device), strict=True):
+            for p, g in zip(group, grads.to(DEVICE), strict=True):
                 p.grad = g
         before = [torch.stack([p.detach() for p in group]).clone() for group in params]
         opt.step()
@@ -84,24 +89,18 @@ def updates(backend: str, model: str, device: str) -> list[list[torch.Tensor]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def plain_updates() -> dict:
-    return {}
-
-
-DEVICE = "cuda" if CUDA else "cpu"
+@functools.cache
+def reference(model: str) -> list[list[torch.Tensor]]:
+    """The plain loop's updates: every backend's reference (made once per model)."""
+    return updates("plain", model)
 
 
 @pytest.mark.parametrize("model", list(MODELS) if CUDA else ["llama88m"])
 @pytest.mark.parametrize("backend", BACKENDS if CUDA else ("auto", "auto:no-gram"))
-def test_backend_update_equals_plain(backend, model, plain_updates):
-    if model not in plain_updates:
-        plain_updates[model] = updates("plain", model, DEVICE)
-    reference = plain_updates[model]
-    got = updates(backend, model, DEVICE)
-    shapes = MODELS[model]
-    for step, (kind, ours, ref) in enumerate(zip(INPUTS, got, reference, strict=False)):
-        for (_, shape), u, r in zip(shapes, ours, ref, strict=True):
+def test_backend_update_equals_plain(backend, model):
+    got = updates(backend, model)
+    for step, (kind, ours, ref) in enumerate(zip(INPUTS, got, reference(model), strict=False)):
+        for (_, shape), u, r in zip(MODELS[model], ours, ref, strict=True):
             where = f"{backend}, {model} {shape}, step {step} ({kind})"
             assert torch.isfinite(u).all(), f"{where}: non-finite update"
             sigma = torch.linalg.matrix_norm(u, ord=2).max().item()
