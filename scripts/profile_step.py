@@ -30,6 +30,7 @@ from muon_plugin import MuonForeach, MuonLP  # noqa: E402
 
 OPTIMIZERS = {
     "foreach": lambda ps: MuonForeach(ps, lr=LR, wd=WD),
+    "normuon": lambda ps: MuonForeach(ps, lr=LR, wd=WD, normalization="normuon"),
     "lp-int8": lambda ps: MuonLP(ps, lr=LR, wd=WD, state_dtype="int8"),
 }
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "helpers"
 
@@ -35,7 +37,19 @@ def run_test_script(script: str, timeout: float = 300, **env: str) -> subprocess
     )
 
 
+# Triton 3.6's interpreter turns a loop bound taken from a run-time argument into a 1-element
+# array and calls int() on it, which numpy 2.4 rejects.
+_NUMPY_SCALAR_BUG = "only 0-dimensional arrays can be converted to Python scalars"
+
+
 def run_in_interpreter(script: str) -> subprocess.CompletedProcess:
     """:func:`run_test_script` under the Triton interpreter (``TRITON_INTERPRET=1``, set
-    before triton is imported)."""
-    return run_test_script(script, TRITON_INTERPRET="1")
+    before triton is imported). A Triton whose interpreter cannot run our kernels' loops under
+    this numpy skips the test (the kernels compile and run on a GPU all the same)."""
+    proc = run_test_script(script, TRITON_INTERPRET="1")
+    if proc.returncode and _NUMPY_SCALAR_BUG in proc.stderr:
+        pytest.skip(
+            "this Triton's interpreter cannot run a loop bound from a run-time argument under "
+            "numpy >= 2.4 (seen with triton 3.6 on numpy 2.4 and 2.5; fixed by triton 3.9)"
+        )
+    return proc

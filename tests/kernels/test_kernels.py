@@ -19,19 +19,9 @@ from muon_plugin.kernels import gram, triton_available, use_symmetric_kernel
 REPO = Path(__file__).resolve().parents[2]
 
 
-# Triton 3.6's interpreter turns a loop bound into a 1-element array and calls int() on it,
-# which numpy 2.4 rejects.
-_NUMPY_SCALAR_BUG = "only 0-dimensional arrays can be converted to Python scalars"
-
-
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_kernel_matches_reference_in_interpreter():
     proc = run_in_interpreter("kernel_interpreter_symmetric.py")
-    if proc.returncode and _NUMPY_SCALAR_BUG in proc.stderr:
-        pytest.skip(
-            "this Triton's interpreter cannot run a loop bound from a run-time argument under "
-            "numpy >= 2.4 (seen with triton 3.6 on numpy 2.4 and 2.5; fixed by triton 3.9)"
-        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 17, proc.stdout

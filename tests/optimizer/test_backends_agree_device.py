@@ -60,13 +60,13 @@ def shapes(model: str) -> list[tuple[int, tuple[int, int]]]:
 @functools.cache
 def gradients(model: str) -> list[list[torch.Tensor]]:
     """Per step, per shape, the ``(count, m, n)`` gradients every backend is given."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     sized = shapes(model)
     return [[stress_input(kind, c, m, n, gen) for c, (m, n) in sized] for kind in INPUTS[:STEPS]]
 
 
 def updates(backend: str, model: str) -> list[list[torch.Tensor]]:
-    """Per step, per shape, the stacked updates (fp32, on the CPU) of ``backend``."""
+    """Per step, per shape, the stacked updates (fp32, on the device) of ``backend``."""
     params = [
         [torch.nn.Parameter(torch.zeros(shape, device=DEVICE)) for _ in range(count)]
         for count, shape in shapes(model)
@@ -78,15 +78,22 @@ def updates(backend: str, model: str) -> list[list[torch.Tensor]]:
     out = []
     for step_grads in gradients(model):
         for group, grads in zip(params, step_grads, strict=True):
-            for p, g in zip(group, grads.to(DEVICE), strict=True):
+            for p, g in zip(group, grads, strict=True):
                 p.grad = g
         before = [torch.stack([p.detach() for p in group]).clone() for group in params]
         opt.step()
         out.append(
-            [(b - torch.stack([p.detach() for p in group])).float().cpu()
+            [(b - torch.stack([p.detach() for p in group])).float()
              for b, group in zip(before, params, strict=True)]
         )  # fmt: skip
     return out
+
+
+def largest_singular_value(u: torch.Tensor) -> float:
+    """The largest singular value over the stack ``u``: the root of the top eigenvalue of the
+    smaller Gram matrix (a batched symmetric eigensolve, much faster on a GPU than an SVD)."""
+    gram = u @ u.mT if u.shape[-2] <= u.shape[-1] else u.mT @ u
+    return torch.linalg.eigvalsh(gram.double())[..., -1].max().clamp_min(0).sqrt().item()
 
 
 @functools.cache
@@ -103,7 +110,7 @@ def test_backend_update_equals_plain(backend, model):
         for (_, shape), u, r in zip(MODELS[model], ours, ref, strict=True):
             where = f"{backend}, {model} {shape}, step {step} ({kind})"
             assert torch.isfinite(u).all(), f"{where}: non-finite update"
-            sigma = torch.linalg.matrix_norm(u, ord=2).max().item()
+            sigma = largest_singular_value(u)
             assert sigma < SIGMA_MAX, f"{where}: largest singular value {sigma:.3f}"
             err = ((u - r).norm() / r.norm()).item()
             assert err < TOLERANCE, f"{where}: {err:.4f} from the plain loop's update"
