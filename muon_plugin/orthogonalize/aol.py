@@ -24,13 +24,16 @@ def aol_factors(gram32: Tensor, eps: float) -> Tensor:
     return row_sums.sqrt_().clamp_min_(eps).reciprocal_().unsqueeze(-2)
 
 
-def scale_gram_(gram32: Tensor, factors: Tensor, extra: float = 1.0) -> Tensor:
-    """``extra * diag(f) A diag(f)`` in place of the fp32 Gram matrix ``A``, for factors ``f``
-    of shape ``(B, 1, 1)`` (one per matrix: ``A * (f^2 * extra)``) or ``(B, 1, m)`` (AOL);
-    returns ``A``."""
+def scaled_gram(gram32: Tensor, factors: Tensor, dtype: torch.dtype, extra: float = 1.0) -> Tensor:
+    """``extra * diag(f) A diag(f)`` of the fp32 Gram matrix ``A``, for factors ``f`` of shape
+    ``(B, 1, 1)`` (one per matrix: ``A * (f^2 * extra)``) or ``(B, 1, m)`` (AOL), in a new
+    ``dtype`` tensor. The last product is computed in fp32 and rounded once into it (the same
+    bits as scaling in fp32 and casting after, one pass over ``A`` fewer); ``A`` itself may be
+    overwritten (AOL's first product)."""
+    out = torch.empty_like(gram32, dtype=dtype)
     if factors.size(-1) == 1:
-        return gram32.mul_(factors * factors * extra)
-    return gram32.mul_(factors.mT).mul_(factors * extra)
+        return torch.mul(gram32, factors * factors * extra, out=out)
+    return torch.mul(gram32.mul_(factors.mT), factors * extra, out=out)
 
 
 def scaled_rows(X: Tensor, factors: Tensor, dtype: torch.dtype) -> Tensor:
@@ -48,7 +51,7 @@ def aol_start(
     dtype (fp16 with ``half``, else X's); ``X`` comes back as ``D X`` (with ``half`` a new fp16
     copy, else scaled in place) unless ``fold``, which returns ``X`` as it is and the factors,
     for the first ``Q`` (``X <- (Q D) X``: no ``m x n`` pass)."""
-    first_gram = scale_gram_(gram32, factors).to(torch.float16 if half else X.dtype)
+    first_gram = scaled_gram(gram32, factors, torch.float16 if half else X.dtype)
     if half:
         return first_gram, scaled_rows(X, factors, torch.float16), None
     if fold:

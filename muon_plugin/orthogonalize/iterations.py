@@ -19,7 +19,7 @@ from torch import Tensor
 
 from muon_plugin.kernels import gram
 from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
-from muon_plugin.orthogonalize.aol import aol_factors, aol_start, scale_gram_
+from muon_plugin.orthogonalize.aol import aol_factors, aol_start, scaled_gram
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
 
 SPACES = ("x", "gram")
@@ -351,7 +351,7 @@ def iterate_gram(
     else:
         R32 = gram(X, out_dtype=torch.float32, **xx)
         inv = normalize.factors(R32)  # (B, 1, 1), or AOL's (B, 1, m)
-        R = scale_gram_(R32, inv, s).to(half)
+        R = scaled_gram(R32, inv, half, s)
         del R32
     Q: Tensor | None = None
     taken = 0  # steps accumulated in Q since X was last re-formed

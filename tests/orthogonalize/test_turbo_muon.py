@@ -40,7 +40,7 @@ from muon_plugin.orthogonalize import (
     orthogonalize_stack,
     zeropower,
 )
-from muon_plugin.orthogonalize.aol import aol_factors
+from muon_plugin.orthogonalize.aol import aol_factors, scaled_gram
 from muon_plugin.orthogonalize.coefficients import TURBO_MUON_COEFFICIENTS
 from muon_plugin.param_groups.builder import BaseHyperparams, optimizer_kwargs
 from muon_plugin.param_groups.options import MuonConfig
@@ -106,6 +106,20 @@ def test_aol_factors_bound_the_spectral_norm():
     assert f[2, 0, 5] == pytest.approx(1.0 / EPS)
     top = torch.linalg.matrix_norm(f.mT.double() * X, ord=2)
     assert (top <= 1.0 + 1e-6).all() and (top > 0.5).all(), top
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_scaled_gram_is_the_fp32_scaling_rounded_once(dtype, per_row):
+    """The first Gram matrix scaled by per-matrix norms or AOL's row factors goes straight into
+    the loop's dtype: the same bits as scaling it in fp32 and casting after."""
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(3, 48, 160, generator=gen)
+    A = X @ X.mT
+    f = torch.rand(3, 1, 48 if per_row else 1, generator=gen) + 0.01
+    want = (A * f.mT * (f * 7.0) if per_row else A * (f * f * 7.0)).to(dtype)
+    got = scaled_gram(A.clone(), f, dtype, 7.0)
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
