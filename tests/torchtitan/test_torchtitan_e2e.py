@@ -324,3 +324,10 @@ def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert "6 attention layers (6 MLA), 96 query heads" in log, log[-3000:]
     check_clipping(log, tau)
+    # The convergence benchmark's reader of these lines (its QK-Clip curves) reads every step.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import qk_clip_curves
+
+    curve = qk_clip_curves.parse(re.sub(r"\x1b\[[0-9;]*m", "", log))
+    assert [s for s, _, _ in curve] == list(range(1, steps + 1)), curve
+    assert all(n > 0 for _, _, n in curve[:1]) and all(m > 0 for _, m, _ in curve), curve
