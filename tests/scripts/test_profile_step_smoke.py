@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from muon_plugin.row_state import ROW_STATE_KEY
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
 
 
@@ -48,3 +50,24 @@ def test_report_counts_kernels_only():
     assert "2 kernels" in text  # 3 kernels over 2 steps, rounded
     lines = text.splitlines()
     assert lines[-2].endswith("gemm") and lines[-1].endswith("(others)")
+
+
+def test_every_optimizer_choice_builds_and_steps():
+    """Each ``--optimizer`` choice builds on parameters shaped like the workloads' and steps
+    (on the CPU here; the script profiles them on a GPU); NorMuon keeps its per-row state."""
+    script = load_script()
+    assert set(script.OPTIMIZERS) == {"foreach", "normuon", "lp-int8"}
+    for name, build in script.OPTIMIZERS.items():
+        if name == "lp-int8":
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                continue
+        params = [torch.nn.Parameter(torch.randn(48, 32)) for _ in range(2)]
+        opt = build(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True)), name
+        assert all((ROW_STATE_KEY in opt.state[p]) == (name == "normuon") for p in params), name
