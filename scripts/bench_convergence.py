@@ -7,7 +7,8 @@ batch, sequence length, warm-up + cosine schedule and steps) with only the optim
 the seed changed. The plan, in order (``--budget-s`` stops launching runs that would not fit):
 
 1. an lr sweep (seed 0) per optimizer of ``--optimizers`` (``adamw``, ``muon``; ``normuon``,
-   Muon with ``optimizer.muon.normalization = "normuon"``, when listed),
+   Muon with ``optimizer.muon.normalization = "normuon"``, and ``normuon-rms``, the same with
+   ``normuon_rescale = "rms"``, when listed),
 2. ``--seeds`` more seeds of each at its best lr (lowest final validation loss),
 3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
    each seed, and the Muon variants of ``--variants`` (``turbo``: ``orthogonalization =
@@ -76,6 +77,16 @@ OPTIMIZER_ARGS = {
     "adamw": ["--optimizer.name", "AdamW"],
     "muon": ["--optimizer.name", "muon"],
     "normuon": ["--optimizer.name", "muon", "--optimizer.muon.normalization", "normuon"],
+    # NorMuon with the paper's rescale (an orthogonal update's norm under lr_adjust) instead of
+    # the default "frobenius" (Muon's update norm kept): its own lr sweep, the scales differ.
+    "normuon-rms": [
+        "--optimizer.name",
+        "muon",
+        "--optimizer.muon.normalization",
+        "normuon",
+        "--optimizer.muon.normuon_rescale",
+        "rms",
+    ],
 }
 SCHEDULED = ("muon", "normuon")
 """The optimizers whose shorter schedules (``--budgets``) are run at their best lr."""
@@ -86,7 +97,8 @@ VARIANT_ARGS = {
     "turbo": ["--optimizer.name", "muon", "--optimizer.muon.orthogonalization", "turbo_muon",
               "--optimizer.muon.ns_steps", "4"],
 }  # fmt: skip
-DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3", "normuon": "2e-3,4e-3,8e-3"}
+DEFAULT_LRS = {"adamw": "1e-3,2e-3,4e-3", "muon": "2e-3,4e-3,8e-3", "normuon": "2e-3,4e-3,8e-3",
+               "normuon-rms": "2e-3,4e-3,8e-3"}  # fmt: skip
 SMOKE_ARGS = [
     "--model.flavor", "bench_tiny", "--training.local_batch_size", "2",
     "--training.seq_len", "128", "--validation.local_batch_size", "2",
@@ -99,7 +111,7 @@ SMOKE_ARGS = [
 class Run:
     """One training run of the plan."""
 
-    optimizer: str  # "adamw", "muon", "normuon", "muonlp-<dtype>" or "muon-<variant>"
+    optimizer: str  # a key of OPTIMIZER_ARGS, "muonlp-<dtype>" or "muon-<variant>"
     lr: float
     seed: int
     budget: int | None = None  # a shorter schedule (steps); None: the full --steps
@@ -562,9 +574,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_convergence")
     p.add_argument("--optimizers", default="adamw,muon")
-    p.add_argument("--lrs-adamw", default=DEFAULT_LRS["adamw"])
-    p.add_argument("--lrs-muon", default=DEFAULT_LRS["muon"])
-    p.add_argument("--lrs-normuon", default=DEFAULT_LRS["normuon"])
+    for name, lrs in DEFAULT_LRS.items():  # --lrs-adamw, --lrs-muon, ...
+        p.add_argument(f"--lrs-{name}", default=lrs, help=f"{name}'s lr sweep")
     p.add_argument("--seeds", default="0,1", help="seeds at each optimizer's best lr")
     p.add_argument("--lp", default="int8,int4,fp8", help="MuonLP state dtypes ('' for none)")
     p.add_argument("--lp-seeds", default="0", help="seeds of the MuonLP runs")
@@ -612,9 +623,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if o not in OPTIMIZER_ARGS:
             p.error(f"--optimizers: unknown optimizer {o!r}; choose from {sorted(OPTIMIZER_ARGS)}")
     args.lrs = {
-        "adamw": args.lrs_adamw.split(","),
-        "muon": args.lrs_muon.split(","),
-        "normuon": args.lrs_normuon.split(","),
+        name: getattr(args, f"lrs_{name.replace('-', '_')}").split(",") for name in DEFAULT_LRS
     }
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.lp_seeds = [int(s) for s in args.lp_seeds.split(",") if s]

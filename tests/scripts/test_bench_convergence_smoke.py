@@ -117,6 +117,32 @@ def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
     assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
 
 
+def test_normuon_with_the_papers_rescale_is_swept_as_its_own_optimizer(tmp_path):
+    """``normuon-rms`` (``normuon_rescale = "rms"``): its own lr sweep and seeds, a valid job
+    whose NorMuon settings the plugin reads, and a row of its own beside NorMuon's."""
+    from muon_plugin.torchtitan.check import check
+
+    args = bc.parse_args(
+        ["--optimizers", "adamw,normuon,normuon-rms", "--lp", "", "--budgets", "",
+         "--speed-repeats", "0", "--lrs-normuon-rms", "1e-3,3e-3", "--out", str(tmp_path)]
+    )  # fmt: skip
+    first = bc.plan(args, [])
+    assert [r.name for r in first if r.optimizer == "normuon-rms"] == [
+        "normuon-rms-lr0.001-seed0", "normuon-rms-lr0.003-seed0"
+    ]  # fmt: skip
+    job = check(str(bc.CONFIG), first[-1].job_args())
+    assert job.optimizer.muon.normalization == "normuon"
+    assert job.optimizer.muon.normuon_rescale == "rms" and job.optimizer.lr == 3e-3
+    records = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("normuon", 4e-3, 0, [[10, 3.7], [20, 2.9]]),
+        _record("normuon-rms", 3e-3, 0, [[10, 3.8], [20, 3.1]]),
+    ]
+    table, head = bc.summarize(records)
+    assert head["normuon-rms"]["final_val"] == 3.1 and head["normuon"]["final_val"] == 2.9
+    assert "| normuon-rms | 0.003 | 1 | 3.1000 |" in table
+
+
 def test_a_plan_continued_on_another_machine_redoes_its_speed_runs_only():
     """Training runs of an earlier day and machine are kept (the tables say where each ran);
     tokens/s are compared between speed runs of one machine, so those are run again."""
