@@ -73,20 +73,14 @@ VAL_RE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([-0-9.naNinf]+)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 # The job overrides that make each optimizer; everything else comes from the config.
+_NORMUON = ["--optimizer.name", "muon", "--optimizer.muon.normalization", "normuon"]
 OPTIMIZER_ARGS = {
     "adamw": ["--optimizer.name", "AdamW"],
     "muon": ["--optimizer.name", "muon"],
-    "normuon": ["--optimizer.name", "muon", "--optimizer.muon.normalization", "normuon"],
+    "normuon": _NORMUON,
     # NorMuon with the paper's rescale (an orthogonal update's norm under lr_adjust) instead of
     # the default "frobenius" (Muon's update norm kept): its own lr sweep, the scales differ.
-    "normuon-rms": [
-        "--optimizer.name",
-        "muon",
-        "--optimizer.muon.normalization",
-        "normuon",
-        "--optimizer.muon.normuon_rescale",
-        "rms",
-    ],
+    "normuon-rms": [*_NORMUON, "--optimizer.muon.normuon_rescale", "rms"],
 }
 SCHEDULED = ("muon", "normuon")
 """The optimizers whose shorter schedules (``--budgets``) are run at their best lr."""

@@ -8,6 +8,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from muon_plugin.kernels.symmetric import triton_available
+
 FAILED = object()
 """What :meth:`KernelFallback.run` returns when the kernel failed."""
 
@@ -23,6 +27,10 @@ class KernelFallback:
     def failed(self) -> bool:
         """Whether the kernel has failed once (then callers take the torch ops)."""
         return bool(self.failures)
+
+    def ready(self, tensor: torch.Tensor) -> bool:
+        """Whether the kernel may run on ``tensor``: on CUDA, with triton, and not failed."""
+        return not self.failed and tensor.is_cuda and triton_available()
 
     def run(self, launch: Callable[..., Any], *args: Any) -> Any:
         """``launch(*args)``'s result, or :data:`FAILED` (after one warning) if it raised."""

@@ -18,7 +18,6 @@ from types import ModuleType
 import torch
 
 from muon_plugin.kernels.fallback import FAILED, KernelFallback
-from muon_plugin.kernels.symmetric import triton_available
 
 _fallback = KernelFallback("per-matrix scaling kernel")
 
@@ -31,13 +30,7 @@ def _module() -> ModuleType:
 
 
 def _use_kernel(X: torch.Tensor, kernel: bool) -> bool:
-    return (
-        kernel
-        and X.is_cuda
-        and not _fallback.failed
-        and triton_available()
-        and _module().launchable(X)
-    )
+    return kernel and _fallback.ready(X) and _module().launchable(X)
 
 
 def _launch(X: torch.Tensor, values: torch.Tensor, band: tuple[float, float] | None) -> bool:

@@ -15,7 +15,6 @@ from types import ModuleType
 import torch
 
 from muon_plugin.kernels.fallback import FAILED, KernelFallback
-from muon_plugin.kernels.symmetric import triton_available
 
 _fallback = KernelFallback("NorMuon row-factor kernel")
 
@@ -42,9 +41,7 @@ def row_factors_kernel_(
     ``blocks``: ``(first row, rows, output scale)`` per row block; ``frobenius``: the rescale
     keeps ``||O / s||_F`` (else the ``"rms"`` target ``min(rows, cols) / cols``).
     """
-    if _fallback.failed or not (sum_sq.is_cuda and triton_available()):
-        return None
-    if not _module().launchable(sum_sq, v):
+    if not (_fallback.ready(sum_sq) and _module().launchable(sum_sq, v)):
         return None
     factors = _fallback.run(_module().row_factors_, sum_sq, v, blocks, cols, beta2, eps, frobenius)
     return None if factors is FAILED else factors

@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from test_orthogonalize import kernel_like_gram
 
 import muon_plugin.orthogonalize.iterations as iterations
 from muon_plugin.orthogonalize import coefficient_schedule
@@ -46,14 +47,12 @@ def inputs() -> list[tuple[str, torch.Tensor]]:
     return [(name, X.to(torch.bfloat16)) for name, X in cases]
 
 
-def mirrored_gram(X, *, Y=None, alpha=1.0, C=None, beta=0.0, gamma=0.0, out_dtype=None, **_):
-    """The Triton kernel's product, emulated: summed in fp32, the upper triangle computed and
-    mirrored, rounded once (a product of two commuting matrices is symmetric only exactly)."""
-    P = alpha * (X.float() @ (X if Y is None else Y).float().mT)
-    if C is not None:
-        P += beta * C.float()
-    P += gamma * torch.eye(P.size(-1))
-    return (P.triu() + P.triu(1).mT).to(out_dtype or X.dtype)
+def mirrored_gram(X, **kw):
+    """The Triton kernel's product, emulated (:func:`kernel_like_gram`: fp32 sums, one
+    rounding), with its upper triangle mirrored, as the kernel computes one triangle (a product
+    of two commuting matrices is symmetric only in exact arithmetic)."""
+    P = kernel_like_gram(X, **kw)
+    return P.triu() + P.triu(1).mT
 
 
 def largest_singular_values(restart_every: int | None) -> dict[str, float]:

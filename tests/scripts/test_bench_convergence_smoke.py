@@ -23,6 +23,23 @@ import bench_convergence as bc  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+def _step_line(s: int) -> str:
+    """A torchtitan training-step log line (step ``s``), as a faked run prints it."""
+    return (
+        f"step: {s}  loss:  {9 - s:.4f}  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 1,000  "
+        "tflops: 1.0  mfu: 1.0%"
+    )
+
+
+def _job(args: list[str]):
+    """The torchtitan job (parsed, not run) of a run's train.sh command line or of its job
+    arguments (``Run.job_args()``)."""
+    from muon_plugin.torchtitan.check import check
+
+    config = str(bc.CONFIG)
+    return check(config, args[args.index(config) + 1 :] if config in args else args)
+
+
 def test_steps_to_reach_interpolates_between_evaluations():
     curve = [[10, 5.0], [20, 4.0], [30, 3.0]]
     assert bc.steps_to_reach(curve, 5.0) == 10.0
@@ -120,8 +137,6 @@ def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
 def test_normuon_with_the_papers_rescale_is_swept_as_its_own_optimizer(tmp_path):
     """``normuon-rms`` (``normuon_rescale = "rms"``): its own lr sweep and seeds, a valid job
     whose NorMuon settings the plugin reads, and a row of its own beside NorMuon's."""
-    from muon_plugin.torchtitan.check import check
-
     args = bc.parse_args(
         ["--optimizers", "adamw,normuon,normuon-rms", "--lp", "", "--budgets", "",
          "--speed-repeats", "0", "--lrs-normuon-rms", "1e-3,3e-3", "--out", str(tmp_path)]
@@ -130,7 +145,7 @@ def test_normuon_with_the_papers_rescale_is_swept_as_its_own_optimizer(tmp_path)
     assert [r.name for r in first if r.optimizer == "normuon-rms"] == [
         "normuon-rms-lr0.001-seed0", "normuon-rms-lr0.003-seed0"
     ]  # fmt: skip
-    job = check(str(bc.CONFIG), first[-1].job_args())
+    job = _job(first[-1].job_args())
     assert job.optimizer.muon.normalization == "normuon"
     assert job.optimizer.muon.normuon_rescale == "rms" and job.optimizer.lr == 3e-3
     records = [
@@ -297,8 +312,6 @@ def test_a_qk_clip_run_is_a_valid_job_and_records_its_largest_logits(tmp_path, m
     and its plot list them."""
     import qk_clip_curves as qk
 
-    from muon_plugin.torchtitan.check import check
-
     seen = []
 
     def fake_torchrun(cmd, timeout, **kwargs):
@@ -306,8 +319,7 @@ def test_a_qk_clip_run_is_a_valid_job_and_records_its_largest_logits(tmp_path, m
         clipped = 0 if "1e+30" in cmd else 2
         log = "\n".join(
             f"QK-Clip: max logit {0.1 * s:.2f} (layers.0.attention), {clipped} heads clipped at "
-            f"tau 0.05\nstep: {s}  loss:  {9 - s:.4f}  grad_norm: 1.0  memory: 1.0GiB(1%)  "
-            f"tps: 1,000  tflops: 1.0  mfu: 1.0%\nvalidate step: {s}  loss:  {9.5 - s:.4f}"
+            f"tau 0.05\n{_step_line(s)}\nvalidate step: {s}  loss:  {9.5 - s:.4f}"
             for s in (1, 2, 3)
         )
         return log, 0
@@ -317,7 +329,7 @@ def test_a_qk_clip_run_is_a_valid_job_and_records_its_largest_logits(tmp_path, m
     records = [bc.train_one(bc.Run(name, 4e-3, 0), args)
                for name in (qk.MAXLOGIT, f"{qk.QKCLIP}0.05")]  # fmt: skip
     for cmd, tau in zip(seen, (1e30, 0.05), strict=True):
-        job = check(str(bc.CONFIG), cmd[cmd.index(str(bc.CONFIG)) + 1 :])
+        job = _job(cmd)
         assert job.optimizer.name == "muon" and job.optimizer.muon.qk_clip_tau == tau
     for record, clipped in zip(records, (0, 2), strict=True):
         assert record["status"] == "ok", record
@@ -337,38 +349,29 @@ def test_a_qk_clip_run_is_a_valid_job_and_records_its_largest_logits(tmp_path, m
 def test_a_speed_run_is_a_valid_job_without_validation(tmp_path, monkeypatch):
     """A speed run's command line (what train.sh is given) parses as torchtitan's job with
     validation off and the run's steps; its log becomes a record without validation."""
-    from muon_plugin.torchtitan.check import check
-
     seen = {}
 
     def fake_torchrun(cmd, timeout, **kwargs):
         seen["cmd"] = cmd
-        log = "\n".join(
-            f"step: {s}  loss:  {9 - s:.4f}  grad_norm: 1.0  memory: 1.0GiB(1%)  tps: 1,000  "
-            "tflops: 1.0  mfu: 1.0%"
-            for s in (1, 2)
-        )
+        log = "\n".join(_step_line(s) for s in (1, 2))
         return log, 0
 
     monkeypatch.setattr(bc, "run_torchrun", fake_torchrun)
     args = bc.parse_args(["--out", str(tmp_path), "--speed-steps", "2"])
     record = bc.train_one(bc.Run("muon", 4e-3, 0, speed=0), args)
     assert record["status"] == "ok" and record["val"] == [] and record["speed"] == 0
-    job_args = seen["cmd"][seen["cmd"].index(str(bc.CONFIG)) + 1 :]
-    job = check(str(bc.CONFIG), job_args)
+    job = _job(seen["cmd"])
     assert job.validation.enable is False and job.training.steps == 2
     assert job.optimizer.name == "muon" and job.optimizer.lr == 4e-3
     assert job.optimizer.muon.normalization == "none"
     bc.train_one(bc.Run("normuon", 4e-3, 0, speed=0), args)
-    job = check(str(bc.CONFIG), seen["cmd"][seen["cmd"].index(str(bc.CONFIG)) + 1 :])
+    job = _job(seen["cmd"])
     assert job.optimizer.name == "muon" and job.optimizer.muon.normalization == "normuon"
 
 
 def test_the_turbo_variant_runs_at_muons_best_lr(tmp_path):
     """``--variants turbo``: turbo_muon x4 at Muon's best lr on every seed, in the speed runs,
     compared with Muon; its command line parses as torchtitan's job with that option."""
-    from muon_plugin.torchtitan.check import check
-
     args = bc.parse_args(
         ["--variants", "turbo", "--lp", "", "--budgets", "", "--seeds", "0,1",
          "--speed-repeats", "1", "--out", str(tmp_path)]
@@ -380,7 +383,7 @@ def test_the_turbo_variant_runs_at_muons_best_lr(tmp_path):
         "muon-turbo-lr0.002-seed1", "speed-adamw-lr0.001-0", "speed-muon-lr0.002-0",
         "speed-muon-turbo-lr0.002-0",
     ]  # fmt: skip
-    job = check(str(bc.CONFIG), bc.Run("muon-turbo", 2e-3, 0).job_args())
+    job = _job(bc.Run("muon-turbo", 2e-3, 0).job_args())
     assert (job.optimizer.muon.orthogonalization, job.optimizer.muon.ns_steps) == ("turbo_muon", 4)
     records = [
         _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
