@@ -56,8 +56,9 @@ FULL = dict(batch=1, seq=8192, dim=4096, heads=32, kv_heads=8, layers=4, flavor=
 QUICK = dict(batch=1, seq=128, dim=256, heads=8, kv_heads=8, layers=2, flavor="bench_tiny")
 
 
-def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median ms of ``fn()`` over ``reps`` calls after two warm-up calls."""
+def timed(fn: Callable[[], object], device: torch.device, reps: int) -> dict:
+    """``{"ms": median, "min": .., "max": ..}`` of ``fn()`` over ``reps`` calls (ms) after two
+    warm-up calls."""
     for _ in range(2):
         fn()
     times = []
@@ -73,7 +74,7 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return {"ms": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
@@ -93,7 +94,7 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
         max_logit_per_head(q.detach(), k.detach(), visible=Visibility(causal=True))
 
     att = timed(attention, device, reps)
-    rows = [{"row": "attention fwd+bwd (SDPA, one layer)", "ms": att}]
+    rows = [{"row": "attention fwd+bwd (SDPA, one layer)", **att}]
     for path, switch in (("FlexAttention path", "1"), ("chunked path", "0")):
         os.environ[logits.FLEX_ENV] = switch
         logits._flex_state.pop("failed", None)
@@ -105,7 +106,7 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
             rows.append({"row": f"statistic, {path}: failed (see the warning)", "ms": float("nan")})
             continue
         name = f"statistic (max logit per head, one layer), {path}"
-        rows.append({"row": name, "ms": stat, "ratio": stat / att})
+        rows.append({"row": name, **stat, "ratio": stat["ms"] / att["ms"]})
     os.environ.pop(logits.FLEX_ENV, None)
     return rows
 
@@ -125,7 +126,7 @@ def clip_row(shape: dict, device: torch.device, reps: int) -> dict:
             clip.record_max(i, torch.full((h,), 2.0, device=device))  # every head clips
         clip.step()
 
-    return {"row": f"clip after the step ({n} layers' wq, wk)", "ms": timed(step, device, reps)}
+    return {"row": f"clip after the step ({n} layers' wq, wk)", **timed(step, device, reps)}
 
 
 def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
@@ -169,7 +170,7 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
             opt.zero_grad(set_to_none=True)
 
         name = "model step, QK-Clip on" if qk_clip else "model step, QK-Clip off"
-        results.append({"row": f"{name} ({shape['flavor']})", "ms": timed(step, device, reps)})
+        results.append({"row": f"{name} ({shape['flavor']})", **timed(step, device, reps)})
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -178,10 +179,11 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| row | ms (median) | ratio |", "| --- | --- | --- |"]
+    lines = ["| row | ms (median) | min-max | ratio |", "| --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
-        lines.append(f"| {r['row']} | {r['ms']:.3f} | {ratio} |")
+        spread = f"{r['min']:.3f}-{r['max']:.3f}" if "min" in r else "-"
+        lines.append(f"| {r['row']} | {r['ms']:.3f} | {spread} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -5,8 +5,11 @@ Runs ``scripts/train.sh CONFIG`` once per optimizer (``--optimizer.name AdamW`` 
 ``--steps`` steps with ``--metrics.log_freq 1``, parses torchtitan's per-step lines
 (``step: 5  loss: ...  tps: 12,345  tflops: ...``; tps is tokens per second per device), and
 reports the median tps over the steps after ``--skip`` (start-up, warm-up), and Muon / AdamW.
+With ``--repeats N`` every optimizer runs N times, interleaved (A, B, A, B, ...), so that a
+drift of the machine touches all of them alike; the row is then the median of the runs' medians
+and its spread is the runs' lowest and highest median.
 
-    python scripts/bench_titan_tps.py CONFIG [--steps 12] [--skip 3] [--nproc N]
+    python scripts/bench_titan_tps.py CONFIG [--steps 12] [--skip 3] [--nproc N] [--repeats N]
         [--optimizers AdamW,muon] [--local-data] [--target 0.95] [--log-dir DIR]
         [--results RESULTS.md] [--json out.json] [-- extra torchtitan overrides ...]
 
@@ -70,6 +73,7 @@ def summarize(optimizer: str, steps: dict[int, dict[str, float]], skip: int) -> 
     tps = [v["tps"] for v in kept]
     return {
         "optimizer": optimizer,
+        "runs": 1,
         "steps_logged": len(steps),
         "steps_used": len(kept),
         "tps_median": statistics.median(tps) if tps else None,
@@ -78,6 +82,27 @@ def summarize(optimizer: str, steps: dict[int, dict[str, float]], skip: int) -> 
         "first_loss": steps[min(steps)]["loss"] if steps else None,
         "last_loss": steps[max(steps)]["loss"] if steps else None,
         "mem_gib": max((v["mem_gib"] for v in kept), default=None),
+    }
+
+
+def combine(runs: list[dict]) -> dict:
+    """One optimizer's row over its repeated runs: the median of the runs' median tps, the
+    spread between their lowest and highest median, the first run's losses, the highest peak
+    memory. A failed run fails the row."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r["status"] for r in runs if r["status"] != "ok"]
+    medians = [r["tps_median"] for r in runs if r["tps_median"] is not None]
+    return {
+        **runs[0],
+        "runs": len(runs),
+        "run_medians": medians,
+        "steps_used": sum(r["steps_used"] for r in runs),
+        "tps_median": statistics.median(medians) if medians else None,
+        "tps_min": min(medians, default=None),
+        "tps_max": max(medians, default=None),
+        "mem_gib": max((r["mem_gib"] for r in runs if r["mem_gib"] is not None), default=None),
+        "status": failed[0] if failed else "ok",
     }
 
 
@@ -102,15 +127,17 @@ def optimizer_args(optimizer: str, qk_clip_tau: float) -> list[str]:
     return ["--optimizer.name", name, *qk]
 
 
-def run_one(optimizer: str, args, extra: list[str]) -> tuple[str, int]:
-    """train.sh with ``optimizer``; (log text, return code). The log also goes to --log-dir."""
+def run_one(optimizer: str, args, extra: list[str], repeat: int = 0) -> tuple[str, int]:
+    """train.sh with ``optimizer``; (log text, return code). The log also goes to --log-dir
+    (``OPTIMIZER.log``, ``OPTIMIZER.REPEAT.log`` for the later repeats)."""
+    tag = f"{optimizer}.{repeat}" if repeat else optimizer
     cmd = [
         "bash", str(ROOT / "scripts" / "train.sh"), str(args.config),
         *optimizer_args(optimizer, args.qk_clip_tau),
         "--training.steps", str(args.steps),
         "--metrics.log_freq", "1",
         "--metrics.disable_color_printing",
-        "--job.dump_folder", str(args.log_dir / f"dump_{optimizer}"),
+        "--job.dump_folder", str(args.log_dir / f"dump_{tag}"),
         *(local_data_args() if args.local_data else []),
         *extra,
     ]  # fmt: skip
@@ -120,23 +147,25 @@ def run_one(optimizer: str, args, extra: list[str]) -> tuple[str, int]:
     print(f"[bench_titan_tps] {optimizer}: {' '.join(cmd)}", flush=True)
     # train.sh execs torchrun: on timeout it gets SIGTERM and stops its workers.
     text, rc = run_torchrun(cmd, args.timeout, cwd=ROOT, env=env)
-    (args.log_dir / f"{optimizer}.log").write_text(text)
+    (args.log_dir / f"{tag}.log").write_text(text)
     return text, rc
 
 
 def table(rows: list[dict], target: float) -> tuple[str, str]:
+    spread = "runs' medians min-max" if any(r.get("runs", 1) > 1 for r in rows) else "min-max"
     lines = [
-        "| optimizer | tps / device (median) | min-max | steps used | loss first -> last | "
-        "peak mem GiB | status |",
-        "|" + " --- |" * 7,
+        f"| optimizer | tps / device (median) | {spread} | runs | steps used | "
+        "loss first -> last | peak mem GiB | status |",
+        "|" + " --- |" * 8,
     ]
     for r in rows:
+        runs = r.get("runs", 1)
         if r["tps_median"] is None:
-            lines.append(f"| {r['optimizer']} | - | - | 0 | - | - | {r['status']} |")
+            lines.append(f"| {r['optimizer']} | - | - | {runs} | 0 | - | - | {r['status']} |")
             continue
         lines.append(
             f"| {r['optimizer']} | {r['tps_median']:,.0f} | {r['tps_min']:,.0f}-"
-            f"{r['tps_max']:,.0f} | {r['steps_used']} | {r['first_loss']:.3f} -> "
+            f"{r['tps_max']:,.0f} | {runs} | {r['steps_used']} | {r['first_loss']:.3f} -> "
             f"{r['last_loss']:.3f} | {r['mem_gib']:.1f} | {r['status']} |"
         )
     by_name = {r["optimizer"].lower(): r for r in rows}
@@ -182,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", default="AdamW,muon")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each optimizer, interleaved"
+    )
     parser.add_argument("--nproc", type=int, default=None)
     parser.add_argument(
         "--qk-clip-tau", type=float, default=100.0, help="tau of the muon+qk_clip entry"
@@ -197,19 +229,26 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir = args.log_dir.resolve()
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
-    rows = []
-    for optimizer in (o.strip() for o in args.optimizers.split(",") if o.strip()):
-        text, rc = run_one(optimizer, args, extra)
-        row = summarize(optimizer, parse_log(text), args.skip)
-        row["status"] = "ok" if rc == 0 and row["tps_median"] is not None else f"failed (rc {rc})"
-        if row["status"] != "ok":
-            print(text[-4000:], file=sys.stderr)
-        rows.append(row)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    runs: dict[str, list[dict]] = {o: [] for o in optimizers}
+    for repeat in range(args.repeats):
+        for optimizer in optimizers:
+            text, rc = run_one(optimizer, args, extra, repeat)
+            row = summarize(optimizer, parse_log(text), args.skip)
+            ok = rc == 0 and row["tps_median"] is not None
+            row["status"] = "ok" if ok else f"failed (rc {rc})"
+            if not ok:
+                print(text[-4000:], file=sys.stderr)
+            runs[optimizer].append(row)
+    rows = [combine(runs[o]) for o in optimizers]
     text, verdict = table(rows, args.target)
     meta = (
         f"{datetime.date.today().isoformat()}, {machine_text(args.nproc)}; "
         f"{args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config}"
         f", {args.steps} steps, median tps after step {args.skip}"
+        + (f", {args.repeats} runs each, interleaved" if args.repeats > 1 else "")
         + (", local corpus and tokenizer (scripts/prepare_data.py)" if args.local_data else "")
         + (f", overrides: `{' '.join(extra)}`" if extra else "")
     )

@@ -6,7 +6,8 @@
 #
 # tests    the tests that need a GPU (kernels, CUDA graphs, the fused MuonLP kernel, memory,
 #          autotune tables, every benchmark row at small sizes, two gloo ranks on the one GPU,
-#          NorMuon on the GPU paths, every backend against the plain loop through the step):
+#          NorMuon on the GPU paths, every backend against the plain loop through the step,
+#          QK-Clip's FlexAttention max-logit path against the chunked one):
 #          tests.log                                                              TESTS_S (240)
 # train    PYTHON=$PYTHON bash scripts/train.sh configs/llama3_debug_muon.toml, the main job
 #          with no other variable set (TRAIN_ARGS: overrides to add): train.log, and the
@@ -50,7 +51,7 @@ GPU_TESTS="tests/kernels/test_kernels.py tests/orthogonalize/test_cuda_graphs.py
     tests/optimizer/test_step_memory.py tests/kernels/test_tuning_cache.py tests/scripts/test_benchmark_smoke.py
     tests/kernels/test_matrix_scale.py tests/distributed/test_two_ranks_one_gpu.py
     tests/optimizer/test_normuon_device.py tests/optimizer/test_backends_agree_device.py
-    tests/kernels/test_row_factors_kernel.py"
+    tests/kernels/test_row_factors_kernel.py tests/qk_clip/test_qk_clip_gpu.py"
 if [[ "${SMOKE:-0}" == 1 ]]; then
     BENCH_ARGS=(--quick --device cpu)
     MERGE_ARGS=(--quick)

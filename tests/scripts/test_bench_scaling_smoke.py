@@ -75,3 +75,19 @@ def test_titan_tps_log_parsing():
     text, verdict = table([adam, muon], target=0.95)
     assert "| AdamW | 20,480 |" in text and "| muon | 19,456 |" in text
     assert "= 0.950" in verdict and "meets" in verdict
+
+
+def test_titan_tps_repeated_runs_combine_into_one_row():
+    from bench_titan_tps import combine, parse_log, summarize, table
+
+    base = summarize("muon", parse_log(LOG), skip=1)
+    runs = [dict(base, tps_median=m, status="ok") for m in (19000.0, 21000.0, 20000.0)]
+    row = combine(runs)
+    assert row["runs"] == 3 and row["run_medians"] == [19000.0, 21000.0, 20000.0]
+    assert (row["tps_median"], row["tps_min"], row["tps_max"]) == (20000.0, 19000.0, 21000.0)
+    assert row["steps_used"] == 9 and row["status"] == "ok"
+    text, _ = table([row], target=0.95)
+    assert "runs' medians min-max" in text and "| muon | 20,000 | 19,000-21,000 | 3 | 9 |" in text
+    assert combine(runs[:1]) is runs[0]  # one run: its own steps' spread
+    failed = combine([*runs[:2], dict(base, tps_median=None, status="failed (rc 1)")])
+    assert failed["status"] == "failed (rc 1)" and failed["tps_median"] == 20000.0

@@ -34,6 +34,10 @@ def test_bench_qk_clip_quick_run_writes_its_section(tmp_path: Path, capsys) -> N
         "model step, QK-Clip on (bench_tiny)",
     ):
         assert f"| {row} |" in text, text
+    assert "| row | ms (median) | min-max | ratio |" in text
+    clip = next(line for line in text.splitlines() if line.startswith("| clip after"))
+    low, high = map(float, clip.split("|")[3].split("-"))
+    assert 0 < low <= float(clip.split("|")[2]) <= high  # the median inside its spread
     assert os.environ.get("MUON_PLUGIN_QK_CLIP_FLEX") is None  # the switch is left as it was
 
 
