@@ -35,9 +35,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +55,7 @@ from muon_plugin.qk_clip import (  # noqa: E402
 )
 
 FULL = dict(batch=1, seq=8192, dim=4096, heads=32, kv_heads=8, layers=4, flavor="bench_8b_4l")
+NAN = float("nan")
 QUICK = dict(batch=1, seq=128, dim=256, heads=8, kv_heads=8, layers=2, flavor="bench_tiny")
 
 
@@ -82,9 +85,13 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
     d = shape["dim"] // h
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(b, h, seq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
-    k = torch.randn(b, hkv, seq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
-    v = torch.randn(b, hkv, seq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
+
+    def heads_view(heads: int) -> Tensor:
+        """``[B, heads, L, D]`` as the model hands it over: ``[B, L, heads, D]`` transposed."""
+        x = torch.randn(b, seq, heads, d, device=device, dtype=dtype, generator=g)
+        return x.transpose(1, 2).requires_grad_()
+
+    q, k, v = heads_view(h), heads_view(hkv), heads_view(hkv)
 
     def attention() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv < h)
@@ -94,19 +101,19 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
         max_logit_per_head(q.detach(), k.detach(), visible=Visibility(causal=True))
 
     att = timed(attention, device, reps)
-    rows = [{"row": "attention fwd+bwd (SDPA, one layer)", **att}]
+    rows = [show({"row": "attention fwd+bwd (SDPA, one layer)", **att})]
     for path, switch in (("FlexAttention path", "1"), ("chunked path", "0")):
         os.environ[logits.FLEX_ENV] = switch
         logits._flex_state.pop("failed", None)
         if switch == "1" and not logits._flex_available(q):
-            rows.append({"row": f"statistic, {path}: not available here", "ms": float("nan")})
+            rows.append(show({"row": f"statistic, {path}: not available here", "ms": NAN}))
             continue
         stat = timed(statistic, device, reps)
         if switch == "1" and logits._flex_state.get("failed"):
-            rows.append({"row": f"statistic, {path}: failed (see the warning)", "ms": float("nan")})
+            rows.append(show({"row": f"statistic, {path}: failed (see the warning)", "ms": NAN}))
             continue
         name = f"statistic (max logit per head, one layer), {path}"
-        rows.append({"row": name, **stat, "ratio": stat["ms"] / att["ms"]})
+        rows.append(show({"row": name, **stat, "ratio": stat["ms"] / att["ms"]}))
     os.environ.pop(logits.FLEX_ENV, None)
     return rows
 
@@ -126,7 +133,7 @@ def clip_row(shape: dict, device: torch.device, reps: int) -> dict:
             clip.record_max(i, torch.full((h,), 2.0, device=device))  # every head clips
         clip.step()
 
-    return {"row": f"clip after the step ({n} layers' wq, wk)", **timed(step, device, reps)}
+    return show({"row": f"clip after the step ({n} layers' wq, wk)", **timed(step, device, reps)})
 
 
 def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
@@ -137,15 +144,14 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
 
         import configs.llama3_bench_model as bench_model
     except ImportError as e:
-        return [{"row": f"model step: skipped ({e})", "ms": float("nan")}]
+        return [show({"row": f"model step: skipped ({e})", "ms": NAN})]
     from muon_plugin import MuonForeach
     from muon_plugin.adapter.qk_clip import build_qk_clip
     from muon_plugin.param_groups.options import MuonConfig
     from muon_plugin.torchtitan.qk_clip import describe_attention
 
     spec = tt_spec.get_train_spec(bench_model.NAME)
-    args = spec.model_args[shape["flavor"]]
-    args.update_from_config(JobConfig())
+    args = model_args(spec, shape, JobConfig())
     results = []
     for qk_clip in (False, True):
         torch.manual_seed(0)
@@ -170,7 +176,7 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
             opt.zero_grad(set_to_none=True)
 
         name = "model step, QK-Clip on" if qk_clip else "model step, QK-Clip off"
-        results.append({"row": f"{name} ({shape['flavor']})", **timed(step, device, reps)})
+        results.append(show({"row": f"{name} ({shape['flavor']})", **timed(step, device, reps)}))
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -178,13 +184,30 @@ def model_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
     return results
 
 
+def line(r: dict) -> str:
+    """A row of the table."""
+    ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
+    spread = f"{r['min']:.3f}-{r['max']:.3f}" if "min" in r else "-"
+    return f"| {r['row']} | {r['ms']:.3f} | {spread} | {ratio} |"
+
+
+def show(row: dict) -> dict:
+    """Print ``row`` as soon as it is measured (a later row that fails loses nothing)."""
+    print(line(row), flush=True)
+    return row
+
+
+def model_args(spec: Any, shape: dict, job: Any) -> Any:
+    """The flavor's model args for the shape's sequence length (the rotary table's length)."""
+    args = spec.model_args[shape["flavor"]]
+    job.training.seq_len = shape["seq"]
+    args.update_from_config(job)
+    return args
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| row | ms (median) | min-max | ratio |", "| --- | --- | --- | --- |"]
-    for r in rows:
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
-        spread = f"{r['min']:.3f}-{r['max']:.3f}" if "min" in r else "-"
-        lines.append(f"| {r['row']} | {r['ms']:.3f} | {spread} | {ratio} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [line(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,3 +67,16 @@ def test_bench_8b_4l_is_four_llama3_8b_layers() -> None:
 
     args = bench_model.FLAVORS["bench_8b_4l"]
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (4096, 4, 32, 8)
+
+
+def test_model_rows_build_the_flavor_for_the_benchmark_sequence() -> None:
+    """The full shape's 8192 tokens are longer than the job's default sequence: the flavor's
+    rotary table must be built for them (a 2048-long table fails the model's forward)."""
+    import torchtitan.protocols.train_spec as tt_spec
+    from torchtitan.config import JobConfig
+
+    import configs.llama3_bench_model as bench_model
+
+    spec = tt_spec.get_train_spec(bench_model.NAME)
+    args = bench_qk_clip.model_args(spec, bench_qk_clip.FULL, JobConfig())
+    assert args.max_seq_len == bench_qk_clip.FULL["seq"] == 8192
