@@ -218,11 +218,17 @@ def _flex_available(q: Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():
         return False
+    return flex_returns_max_scores()
+
+
+def flex_returns_max_scores() -> bool:
+    """Whether this torch's FlexAttention can return its per-row max scores (``AuxRequest``,
+    a ``NamedTuple``, has the ``max_scores`` field)."""
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:
         return False
-    return "max_scores" in getattr(AuxRequest, "__dataclass_fields__", {})
+    return "max_scores" in getattr(AuxRequest, "_fields", ())
 
 
 def _flex_block_mask(visible: Visibility, b: int, hq: int, lq: int, lk: int, device) -> Any:

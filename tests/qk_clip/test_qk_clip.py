@@ -507,3 +507,13 @@ def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog)
     assert logits._flex_state["failed"]
     monkeypatch.setattr(logits, "_flex_available", lambda q: False)
     assert torch.equal(got, max_logit_per_head(q, k, visible=vis))
+
+
+def test_this_torch_flex_attention_returns_max_scores() -> None:
+    """Every supported torch (>= 2.11) has FlexAttention's ``max_scores``: the check must see it
+    (it once looked for dataclass fields on what is a NamedTuple, so CUDA never took the
+    Flex path)."""
+    import muon_plugin.qk_clip.logits as logits
+
+    assert logits.flex_returns_max_scores()
+    assert not logits._flex_available(torch.zeros(1, 1, 1, 1))  # CPU tensors: chunked path
