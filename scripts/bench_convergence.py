@@ -444,6 +444,8 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         curve = mean_curve(runs)
         steps = steps_to_reach(curve, target) if target is not None else None
         tps = speed[opt]["median"] if opt in speed else solo_tps(full, opt)
+        if qk_clip_curves.is_variant(opt):  # QK-Clip's cost: scripts/bench_titan_tps.py
+            tps = None
         ratio = steps / adam_steps if steps is not None and adam_steps else None
         row = {
             "lr": runs[0]["lr"],

@@ -338,6 +338,9 @@ def test_a_qk_clip_run_is_a_valid_job_and_records_its_largest_logits(tmp_path, m
     table, head = bc.summarize(base + records)
     assert set(head["qk_clip"]) == {"muon-maxlogit", "muon-qkclip0.05"}
     assert "| QK-Clip run | tau |" in table
+    # their tokens/s (the statistic's cost inside) is not set against AdamW's: bench_titan_tps's
+    assert head["muon-maxlogit"]["tps_ratio"] is None and head["muon"]["tps_ratio"] is not None
+    assert "| muon-qkclip0.05 | 0.004 | 1 | 6.5000 | 3 | 0.97 | - |" in table, table
     try:
         import matplotlib  # noqa: F401
     except ImportError:
