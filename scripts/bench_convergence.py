@@ -404,6 +404,15 @@ def run_places(records: list[dict]) -> list[tuple[str, str]]:
     return sorted({place(r) for r in records})
 
 
+def run_tps(optimizer: str, speed: dict[str, dict], full: list[dict]) -> float | None:
+    """The tokens/s an optimizer is compared by: its speed runs', else its training runs'
+    that had the machine alone; none for the QK-Clip runs (their cost is measured by
+    scripts/bench_titan_tps.py and scripts/bench_qk_clip.py)."""
+    if qk_clip_curves.is_variant(optimizer):
+        return None
+    return speed[optimizer]["median"] if optimizer in speed else solo_tps(full, optimizer)
+
+
 def summarize(records: list[dict]) -> tuple[str, dict]:
     """Markdown tables of ``records`` and the headline numbers."""
     ok = [r for r in records if r["status"] == "ok"]
@@ -439,13 +448,11 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
         "|" + " --- |" * 7,
     ]
     adam_steps = steps_to_reach(mean_curve(adam), target) if adam else None
-    adam_tps = speed["adamw"]["median"] if "adamw" in speed else solo_tps(full, "adamw")
+    adam_tps = run_tps("adamw", speed, full)
     for opt, runs in groups.items():
         curve = mean_curve(runs)
         steps = steps_to_reach(curve, target) if target is not None else None
-        tps = speed[opt]["median"] if opt in speed else solo_tps(full, opt)
-        if qk_clip_curves.is_variant(opt):  # QK-Clip's cost: scripts/bench_titan_tps.py
-            tps = None
+        tps = run_tps(opt, speed, full)
         ratio = steps / adam_steps if steps is not None and adam_steps else None
         row = {
             "lr": runs[0]["lr"],

@@ -129,20 +129,40 @@ class Visibility:
             limit = min(limit, q_stop - 1 + self.window[1] + 1)
         return max(limit, 0)
 
+    def free_keys(self, q_start: int, lk: int) -> int:
+        """How many leading keys every query from ``q_start`` on sees (their logits need no
+        mask): all of them without a mask, the keys up to the first query's diagonal under a
+        plain causal mask, none for the other kinds."""
+        if self.window is not None or self.mask_mod is not None:
+            return 0
+        if self.dense is not None or self.documents is not None:
+            return 0
+        if not self.causal:
+            return lk
+        return max(0, min(lk, q_start + self.offset + 1))
+
     def chunk(
-        self, b: int, hq: int, q_start: int, q_stop: int, lk: int, device: torch.device
+        self,
+        b: int,
+        hq: int,
+        q_start: int,
+        q_stop: int,
+        lk: int,
+        device: torch.device,
+        k_start: int = 0,
     ) -> Tensor | None:
-        """Boolean mask ``[B or 1, Hq or 1, C, lk]`` of the queries ``[q_start, q_stop)``
-        and the first ``lk`` keys; None when every pair is visible."""
+        """Boolean mask ``[B or 1, Hq or 1, C, lk - k_start]`` of the queries
+        ``[q_start, q_stop)`` and the keys ``[k_start, lk)``; None when every pair is visible."""
         qi = torch.arange(q_start, q_stop, device=device).view(-1, 1)
-        kj = torch.arange(lk, device=device).view(1, -1)
+        kj = torch.arange(k_start, lk, device=device).view(1, -1)
+        width = lk - k_start
         mask: Tensor | None = None
 
         def both(m: Tensor) -> Tensor:
             return m if mask is None else mask & m
 
         if self.causal:
-            mask = both((kj <= qi + self.offset).view(1, 1, *qi.shape[:1], lk))
+            mask = both((kj <= qi + self.offset).view(1, 1, *qi.shape[:1], width))
         if self.window is not None:
             left, right = self.window
             inside = torch.ones_like(kj <= qi)
@@ -150,7 +170,7 @@ class Visibility:
                 inside = inside & (kj >= qi - left)
             if right >= 0:
                 inside = inside & (kj <= qi + right)
-            mask = both(inside.view(1, 1, q_stop - q_start, lk))
+            mask = both(inside.view(1, 1, q_stop - q_start, width))
         if self.mask_mod is not None:
             fn = _vmap_mask_mod(self.mask_mod)
             mb, mh = self.mask_shape or (b, hq)
@@ -158,15 +178,16 @@ class Visibility:
                 torch.arange(mb, device=device),
                 torch.arange(mh, device=device),
                 torch.arange(q_start, q_stop, device=device),
-                torch.arange(lk, device=device),
+                torch.arange(k_start, lk, device=device),
             )
             mask = both(m.to(torch.bool))
         if self.dense is not None:
             dense = self.dense if self.dense.dim() == 4 else self.dense.unsqueeze(1)
-            mask = both(dense[:, :, q_start:q_stop, :lk].to(device=device, dtype=torch.bool))
+            dense = dense[:, :, q_start:q_stop, k_start:lk]
+            mask = both(dense.to(device=device, dtype=torch.bool))
         if self.documents is not None:
             docs = self.documents.to(device)
-            same = docs[:, q_start:q_stop, None] == docs[:, None, :lk]
+            same = docs[:, q_start:q_stop, None] == docs[:, None, k_start:lk]
             mask = both(same.unsqueeze(1))
         return mask
 
@@ -334,6 +355,9 @@ def max_logit_per_head(
     per_query = max(b * hq * lk * 5, 1)
     step = max(1, min(lq, chunk_bytes // per_query))
     best = torch.full((hq,), float("-inf"), dtype=torch.float32, device=q.device)
+    # fl(scale * x) is monotone in x for scale > 0: the scale applied once to each head's
+    # maximum gives the same fp32 number as scaling every logit first
+    scale_last = scale > 0
     with torch.no_grad():
         for start in range(0, lq, step):
             stop = min(lq, start + step)
@@ -342,11 +366,16 @@ def max_logit_per_head(
                 continue
             c = stop - start
             qc = q[:, :, start:stop].reshape(b, hk, rep * c, d).reshape(b * hk, rep * c, d)
-            kc = k[:, :, :keys].reshape(b * hk, keys, d).transpose(1, 2)
-            logits = _products(qc, kc).view(b, hq, c, keys)
-            logits.mul_(scale)
-            mask = visible.chunk(b, hq, start, stop, keys, q.device)
-            if mask is not None:
-                logits.masked_fill_(~mask, float("-inf"))
-            torch.maximum(best, logits.amax(dim=(0, 2, 3)), out=best)
-    return best
+            free = min(visible.free_keys(start, keys), keys)
+            for k0, k1 in ((0, free), (free, keys)):  # keys all queries see, then the rest
+                if k1 == k0:
+                    continue
+                kc = k[:, :, k0:k1].reshape(b * hk, k1 - k0, d).transpose(1, 2)
+                logits = _products(qc, kc).view(b, hq, c, k1 - k0)
+                if not scale_last:
+                    logits.mul_(scale)
+                mask = None if k0 < free else visible.chunk(b, hq, start, stop, k1, q.device, k0)
+                if mask is not None:
+                    logits.masked_fill_(~mask, float("-inf"))
+                torch.maximum(best, logits.amax(dim=(0, 2, 3)), out=best)
+    return best.mul_(scale) if scale_last else best

@@ -85,6 +85,28 @@ def test_visibility_kinds_match_dense_masks() -> None:
         torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("scale", [0.5, -0.5])
+def test_bottom_right_causal_chunks_split_at_the_diagonal(scale: float) -> None:
+    """Fewer queries than keys (offset Lk - Lq): each chunk's keys left of its first query's
+    diagonal are taken unmasked, the rest masked; the scale is applied to each head's maximum
+    (positive) or to every logit (otherwise), both equal to the fp64 logits."""
+    torch.manual_seed(0)
+    b, h, lq, lk, d = 2, 3, 6, 10, 4
+    q, k = torch.randn(b, h, lq, d) * 3, torch.randn(b, h, lk, d) * 3
+    vis = Visibility(causal=True, offset=lk - lq)
+    assert [vis.free_keys(start, lk) for start in (0, 3, 5)] == [5, 8, 10]
+    assert (
+        Visibility().free_keys(3, lk) == lk
+        and Visibility(causal=True, window=(2, 0)).free_keys(3, lk) == 0
+    )
+    full = (q.double() @ k.double().transpose(-1, -2)) * scale
+    mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq
+    exact = masked(full, mask).amax(dim=(0, 2, 3))
+    for chunk_bytes in (1, 2 * 3 * 10 * 5 * 2, 2**30):  # one query per chunk, two, all
+        got = max_logit_per_head(q, k, scale=scale, visible=vis, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+
+
 def test_head_dependent_mask_mod_and_empty_heads() -> None:
     q, k = torch.ones(1, 2, 3, 2), torch.ones(1, 2, 3, 2)
     got = max_logit_per_head(q, k, scale=1.0, visible=Visibility(mask_mod=lambda b, h, i, j: h > 0))
