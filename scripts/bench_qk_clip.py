@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -97,24 +96,22 @@ def attention_rows(shape: dict, device: torch.device, reps: int) -> list[dict]:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv < h)
         out.sum().backward()
 
-    def statistic() -> None:
-        max_logit_per_head(q.detach(), k.detach(), visible=Visibility(causal=True))
+    def statistic(flex: bool) -> None:
+        max_logit_per_head(q.detach(), k.detach(), visible=Visibility(causal=True), flex=flex)
 
     att = timed(attention, device, reps)
     rows = [show({"row": "attention fwd+bwd (SDPA, one layer)", **att})]
-    for path, switch in (("FlexAttention path", "1"), ("chunked path", "0")):
-        os.environ[logits.FLEX_ENV] = switch
+    for path, flex in (("FlexAttention path", True), ("chunked path", False)):
         logits._flex_state.pop("failed", None)
-        if switch == "1" and not logits._flex_available(q):
+        if flex and not logits._flex_available(q, flex):
             rows.append(show({"row": f"statistic, {path}: not available here", "ms": NAN}))
             continue
-        stat = timed(statistic, device, reps)
-        if switch == "1" and logits._flex_state.get("failed"):
+        stat = timed(lambda flex=flex: statistic(flex), device, reps)
+        if flex and logits._flex_state.get("failed"):
             rows.append(show({"row": f"statistic, {path}: failed (see the warning)", "ms": NAN}))
             continue
         name = f"statistic (max logit per head, one layer), {path}"
         rows.append(show({"row": name, **stat, "ratio": stat["ms"] / att["ms"]}))
-    os.environ.pop(logits.FLEX_ENV, None)
     return rows
 
 

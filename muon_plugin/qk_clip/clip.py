@@ -34,10 +34,12 @@ from muon_plugin.distributed.layout import local
 from muon_plugin.qk_clip.heads import AttentionHeads
 from muon_plugin.qk_clip.logits import (
     Visibility,
+    flex_from_env,
     is_real,
     max_logit_per_head,
     outside_dispatch_modes,
     should_record,
+    statistic_path,
 )
 from muon_plugin.qk_clip.rescale import HeadRange, RowPlan, plan_rows
 from muon_plugin.qk_clip.rule import ClipRule, LocalLayer
@@ -156,7 +158,9 @@ class QKClip:
     ``group``: the process group whose ranks saw other tokens of the same heads (data- and
     context-parallel); None when there is none. ``head_parallel``: mesh dim names that split
     heads (tensor parallelism). ``copies``: ``id(param) -> tensors`` shaped like its local
-    shard that must take the same factors (an fp32 master, a low-precision copy).
+    shard that must take the same factors (an fp32 master, a low-precision copy). ``flex``:
+    whether the statistic may take the fused FlexAttention path on CUDA (None: yes unless
+    ``MUON_PLUGIN_QK_CLIP_FLEX=0``, read here, once).
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class QKClip:
         head_parallel: Sequence[str] = HEAD_PARALLEL_DIMS,
         copies: dict[int, list[Tensor]] | None = None,
         chunk_bytes: int = QK_CLIP_CHUNK_BYTES,
+        flex: bool | None = None,
     ) -> None:
         if not layers:
             raise ValueError("QK-Clip: no attention layer to clip")
@@ -184,6 +189,7 @@ class QKClip:
         self.rule = ClipRule(local_layers, tau, alpha, gqa_rule, device)
         self.group = group
         self.chunk_bytes = chunk_bytes
+        self.flex = flex_from_env() if flex is None else flex
 
         def slot(li: int, part: str, head: int) -> int:
             if part == "q":
@@ -221,7 +227,8 @@ class QKClip:
         return (
             f"QK-Clip: tau {self.rule.tau:g}, alpha {self.rule.alpha:g}; {len(self.layers)} "
             f"attention layers ({', '.join(kinds) if kinds else 'multi-head'}), {heads} query "
-            f"heads, {len(self.plans)} parameters rescaled on this rank"
+            f"heads, {len(self.plans)} parameters rescaled on this rank; statistic: "
+            f"{statistic_path(self.device, self.flex)}"
         )
 
     # ----- recording (inside the forward)
@@ -266,7 +273,9 @@ class QKClip:
                 f"heads on this rank, its parameters give it {r.n_q}"
             )
         with outside_dispatch_modes():
-            s = max_logit_per_head(q, k, scale=scale, visible=visible, chunk_bytes=self.chunk_bytes)
+            s = max_logit_per_head(
+                q, k, scale=scale, visible=visible, chunk_bytes=self.chunk_bytes, flex=self.flex
+            )
             self.record_max(layer, s)
 
     def record_max(self, layer: int, s: Tensor) -> None:

@@ -15,7 +15,9 @@ backend the model runs (SDPA, FlexAttention, varlen), by one of two paths:
   that the working memory stays under ``chunk_bytes``; keys past a chunk's last query are
   skipped under causal masks. Exact, but each chunk's logits pass through memory.
 
-``MUON_PLUGIN_QK_CLIP_FLEX=0`` keeps every call on the chunked path.
+``flex=False`` keeps a call on the chunked path; :class:`~muon_plugin.qk_clip.QKClip` reads
+the documented override ``MUON_PLUGIN_QK_CLIP_FLEX=0`` once, when it is built
+(:func:`flex_from_env`), and names the path in its build line (:func:`statistic_path`).
 
 Which (query, key) pairs count is a :class:`Visibility`: causal, a FlexAttention ``mask_mod``,
 a dense boolean mask, packed documents (varlen ``cu_seqlens``) with an optional window, or
@@ -39,10 +41,12 @@ from muon_plugin.defaults import QK_CLIP_CHUNK_BYTES
 
 __all__ = [
     "Visibility",
+    "flex_from_env",
     "is_real",
     "max_logit_per_head",
     "outside_dispatch_modes",
     "should_record",
+    "statistic_path",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -231,11 +235,28 @@ class Visibility:
 _flex_state: dict[str, Any] = {}
 
 
-def _flex_available(q: Tensor) -> bool:
-    """Whether the FlexAttention path serves ``q``: CUDA, a torch whose FlexAttention returns
-    max scores, not switched off, not failed before, and not inside ``torch.compile`` tracing
-    (which takes the chunked path)."""
-    if not q.is_cuda or os.environ.get(FLEX_ENV, "1") == "0" or _flex_state.get("failed"):
+def flex_from_env() -> bool:
+    """The documented override: ``MUON_PLUGIN_QK_CLIP_FLEX=0`` turns the FlexAttention path
+    off (read once, by whoever builds the statistic's user)."""
+    return os.environ.get(FLEX_ENV, "1") != "0"
+
+
+def statistic_path(device: torch.device, flex: bool) -> str:
+    """Which path the statistic takes on ``device``, for the build log."""
+    if device.type != "cuda":
+        return "chunked q.k products"
+    if not flex:
+        return f"chunked q.k products ({FLEX_ENV}=0)"
+    if not flex_returns_max_scores():
+        return "chunked q.k products (this torch's FlexAttention has no max_scores)"
+    return "fused FlexAttention max_scores"
+
+
+def _flex_available(q: Tensor, flex: bool = True) -> bool:
+    """Whether the FlexAttention path serves ``q``: asked for, CUDA, a torch whose
+    FlexAttention returns max scores, not failed before, and not inside ``torch.compile``
+    tracing (which takes the chunked path)."""
+    if not (flex and q.is_cuda) or _flex_state.get("failed"):
         return False
     if torch.compiler.is_compiling():
         return False
@@ -327,12 +348,14 @@ def max_logit_per_head(
     scale: float | None = None,
     visible: Visibility | None = None,
     chunk_bytes: int = QK_CLIP_CHUNK_BYTES,
+    flex: bool = True,
 ) -> Tensor:
     """Largest ``scale * q_i . k_j`` over the batch and the visible pairs, per query head.
 
     ``q``: ``[B, Hq, Lq, D]``; ``k``: ``[B, Hk, Lk, D]`` with ``Hq`` a multiple of ``Hk``;
-    ``scale`` defaults to ``D ** -0.5``. Returns fp32 ``[Hq]``; ``-inf`` for a head that sees
-    no pair. Runs without autograd; no host synchronization.
+    ``scale`` defaults to ``D ** -0.5``; ``flex=False``: the chunked path even on CUDA.
+    Returns fp32 ``[Hq]``; ``-inf`` for a head that sees no pair. Runs without autograd; no
+    host synchronization.
     """
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
@@ -346,7 +369,7 @@ def max_logit_per_head(
     rep = hq // hk
     scale = d**-0.5 if scale is None else float(scale)
     visible = visible or Visibility()
-    if _flex_available(q):
+    if _flex_available(q, flex):
         with torch.no_grad():
             best = _flex_max(q, k, scale, visible)
         if best is not None:

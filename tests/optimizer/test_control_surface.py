@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,25 @@ def test_no_environment_variable_is_read_while_a_step_runs(monkeypatch, state_dt
             p.grad = torch.randn_like(p)
         opt.step()
     assert reads == [], reads
+
+
+def test_qk_clip_reads_no_environment_variable_while_it_records_and_clips(monkeypatch):
+    """QK-Clip's one switch (``MUON_PLUGIN_QK_CLIP_FLEX``) is read when the clip is built; the
+    statistic of every attention call and the clip after the step read nothing."""
+    from qk_clip_helpers import GQALayer
+
+    from muon_plugin.qk_clip import QKClip, Visibility
+
+    layer = GQALayer(16, 4, 2, 4)
+    clip = QKClip([layer.heads()], tau=0.1)
+    q, k = layer.qk(torch.randn(2, 12, 16))
+    reads: list[str] = []
+    monkeypatch.setattr(os, "environ", RecordingEnviron(os.environ, reads))
+    for _ in range(2):
+        clip.record(0, q, k, visible=Visibility(causal=True))
+        clip.step()
+    # the per-call path choice on CUDA tensors (a stand-in: only ``is_cuda`` is asked)
+    import muon_plugin.qk_clip.logits as logits
+
+    logits._flex_available(types.SimpleNamespace(is_cuda=True), True)
+    assert clip.report().clipped and reads == [], reads

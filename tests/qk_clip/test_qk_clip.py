@@ -496,7 +496,7 @@ def test_flex_path_masks_and_plumbing_on_cpu(monkeypatch) -> None:
         scores = (q.float() @ kk.float().transpose(-1, -2) * scale).masked_fill(~mask, -torch.inf)
         return None, flex.AuxOutput(lse=None, max_scores=scores.amax(-1))
 
-    monkeypatch.setattr(logits, "_flex_available", lambda q: True)
+    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: True)
     monkeypatch.setitem(logits._flex_state, "flex", fake_flex)
     monkeypatch.setitem(logits._flex_state, "create", flex.create_block_mask)
     monkeypatch.setitem(logits._flex_state, "masks", {})
@@ -504,9 +504,9 @@ def test_flex_path_masks_and_plumbing_on_cpu(monkeypatch) -> None:
     q, k = torch.randn(b, hq, seq, d) * 2, torch.randn(b, hk, seq, d) * 2
     for name, vis in cases.items():
         got = max_logit_per_head(q, k, scale=0.5, visible=vis)
-        monkeypatch.setattr(logits, "_flex_available", lambda q: False)
+        monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: False)
         want = max_logit_per_head(q, k, scale=0.5, visible=vis)
-        monkeypatch.setattr(logits, "_flex_available", lambda q: True)
+        monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: True)
         torch.testing.assert_close(got, want, msg=name)
     assert len(logits._flex_state["masks"]) == 2  # causal and window masks are cached
 
@@ -517,7 +517,10 @@ def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog)
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this shape")
 
-    monkeypatch.setattr(logits, "_flex_available", lambda q: not logits._flex_state.get("failed"))
+    def unless_failed(q, flex=True) -> bool:
+        return not logits._flex_state.get("failed")
+
+    monkeypatch.setattr(logits, "_flex_available", unless_failed)
     monkeypatch.setitem(logits._flex_state, "flex", broken)
     monkeypatch.setitem(logits._flex_state, "masks", {"x": None})
     monkeypatch.setitem(logits._flex_state, "failed", False)
@@ -527,7 +530,7 @@ def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog)
         got = max_logit_per_head(q, k, visible=Visibility(causal=True, block_mask=object()))
     assert "the FlexAttention max-logit path failed" in caplog.text
     assert logits._flex_state["failed"]
-    monkeypatch.setattr(logits, "_flex_available", lambda q: False)
+    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: False)
     assert torch.equal(got, max_logit_per_head(q, k, visible=vis))
 
 
@@ -539,3 +542,32 @@ def test_this_torch_flex_attention_returns_max_scores() -> None:
 
     assert logits.flex_returns_max_scores()
     assert not logits._flex_available(torch.zeros(1, 1, 1, 1))  # CPU tensors: chunked path
+
+
+def test_the_flex_switch_is_read_once_and_named_in_the_build_line(monkeypatch) -> None:
+    """``MUON_PLUGIN_QK_CLIP_FLEX=0`` is read when the clip is built (a later change of the
+    environment changes nothing), the clip passes its choice to every statistic, and the build
+    line names the path."""
+    import muon_plugin.qk_clip.logits as logits
+
+    layer = GQALayer(16, 4, 2, 4)
+    monkeypatch.setenv(logits.FLEX_ENV, "0")
+    off = QKClip([layer.heads()], tau=1.0)
+    monkeypatch.delenv(logits.FLEX_ENV)
+    on = QKClip([layer.heads()], tau=1.0)
+    assert (off.flex, on.flex, QKClip([layer.heads()], tau=1.0, flex=False).flex) == (
+        False,
+        True,
+        False,
+    )
+    seen = []
+    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: seen.append(flex) or False)
+    q, k = layer.qk(inputs())
+    for clip in (off, on):
+        with torch.enable_grad():
+            clip.record(0, q, k, visible=Visibility(causal=True))
+    assert seen == [False, True]
+    assert on.describe().endswith("; statistic: chunked q.k products")  # CPU parameters
+    cuda = torch.device("cuda")
+    assert logits.statistic_path(cuda, False) == f"chunked q.k products ({logits.FLEX_ENV}=0)"
+    assert logits.statistic_path(cuda, True) == "fused FlexAttention max_scores"

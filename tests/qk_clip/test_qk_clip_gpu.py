@@ -61,11 +61,9 @@ def test_flex_path_matches_the_chunked_path(dtype, seq, heads, kv_heads, dim, mo
     flex_max = logits._flex_max
     monkeypatch.setattr(logits, "_flex_max", counted)
     for name, vis in visibilities(b, seq, device).items():
-        monkeypatch.setenv(logits.FLEX_ENV, "1")
         logits._flex_state.pop("failed", None)
         flex_calls.clear()
         flex = max_logit_per_head(q, k, scale=dim**-0.5, visible=vis)
         assert flex_calls == [True] and not logits._flex_state.get("failed"), name
-        monkeypatch.setenv(logits.FLEX_ENV, "0")
-        exact = max_logit_per_head(q, k, scale=dim**-0.5, visible=vis)
+        exact = max_logit_per_head(q, k, scale=dim**-0.5, visible=vis, flex=False)
         torch.testing.assert_close(flex, exact, rtol=1e-4, atol=1e-4, msg=name)
