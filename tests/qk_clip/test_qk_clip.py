@@ -571,3 +571,36 @@ def test_the_flex_switch_is_read_once_and_named_in_the_build_line(monkeypatch) -
     cuda = torch.device("cuda")
     assert logits.statistic_path(cuda, False) == f"chunked q.k products ({logits.FLEX_ENV}=0)"
     assert logits.statistic_path(cuda, True) == "fused FlexAttention max_scores"
+
+
+def test_a_compiled_attention_records_the_eager_statistic() -> None:
+    """Under ``torch.compile`` (dynamo and AOT autograd; the aot_eager backend keeps the test
+    fast) the recording is traced into the graph: the statistic equals eager's, step after
+    step, and the clip after the step works on it."""
+    import torch.nn.functional as F
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = GQALayer(16, 4, 2, 4)
+            self.clip: QKClip | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k = self.layer.qk(x)
+            v = self.layer.wv(x).view(*x.shape[:2], -1, 4).transpose(1, 2)
+            self.clip.record(0, q, k, visible=Visibility(causal=True))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+    x = inputs(seq=12)
+    eager, compiled = Attention(), Attention()
+    eager.clip = QKClip([eager.layer.heads()], tau=4.0)
+    compiled.clip = QKClip([compiled.layer.heads()], tau=4.0)
+    run = torch.compile(compiled, backend="aot_eager")
+    for _ in range(2):
+        eager(x).backward()
+        run(x).backward()
+        assert torch.equal(compiled.clip._running, eager.clip._running)
+        eager.clip.step()
+        compiled.clip.step()
+        assert torch.equal(compiled.layer.wq.weight, eager.layer.wq.weight)
+    assert eager.clip.report().clipped  # tau 4 clips: the second step ran on clipped weights
