@@ -18,8 +18,9 @@ from muon_plugin.qk_clip.heads import (
     mla,
     separate_projections,
 )
-from muon_plugin.qk_clip.logits import Visibility, max_logit_per_head, should_record
+from muon_plugin.qk_clip.logits import max_logit_per_head, should_record
 from muon_plugin.qk_clip.rule import ClipRule, LocalLayer
+from muon_plugin.qk_clip.visibility import Visibility
 
 __all__ = [
     "HEAD_PARALLEL_DIMS",

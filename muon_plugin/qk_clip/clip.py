@@ -33,7 +33,6 @@ from muon_plugin.defaults import QK_CLIP_ALPHA, QK_CLIP_CHUNK_BYTES, QK_CLIP_GQA
 from muon_plugin.distributed.layout import local
 from muon_plugin.qk_clip.heads import AttentionHeads
 from muon_plugin.qk_clip.logits import (
-    Visibility,
     flex_from_env,
     is_real,
     max_logit_per_head,
@@ -43,6 +42,7 @@ from muon_plugin.qk_clip.logits import (
 )
 from muon_plugin.qk_clip.rescale import HeadRange, RowPlan, plan_rows
 from muon_plugin.qk_clip.rule import ClipRule, LocalLayer
+from muon_plugin.qk_clip.visibility import Visibility
 
 __all__ = ["HEAD_PARALLEL_DIMS", "QKClip", "QKClipReport", "head_range"]
 
