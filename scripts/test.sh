@@ -35,11 +35,15 @@ extra_envs=()
 [ "${MUON_PLUGIN_TORCHTUNE:-1}" != 0 ] \
     && extra_envs+=("torchtune --torchtune ${MUON_PLUGIN_VENV_TORCHTUNE:-$root/.venv-torchtune} tests/torchtune")
 
-# extra_job NAME FLAG VENV TESTS ARGS...: set up one extra environment and run its tests;
-# exit 3 when the set-up failed, else pytest's status (5, nothing selected, counts as 0).
+# extra_job NAME FLAG VENV TESTS ARGS...: set up one extra environment and run its tests (in
+# the background, at nice 10); exit 3 when the set-up failed, else pytest's status (5, nothing
+# selected, counts as 0).
 extra_job() {
     local name="$1" flag="$2" env_dir="$3" tests="$4"
     shift 4
+    # a lower CPU priority for the job and all it starts: ./.venv's suite in the foreground is
+    # the longest path, and the background jobs finish well before it
+    renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true
     echo "[test] $name: scripts/setup_env.sh $flag"
     bash scripts/setup_env.sh "$flag" || { echo "[test] $name: set-up failed"; return 3; }
     echo "[test] $name: $env_dir/bin/python -m pytest $tests $*"
