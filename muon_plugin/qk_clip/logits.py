@@ -98,7 +98,9 @@ def flex_from_env() -> bool:
 
 
 def statistic_path(device: torch.device, flex: bool) -> str:
-    """Which path the statistic takes on ``device``, for the build log."""
+    """Which path the statistic takes on ``device``, for the build log (a call traced by
+    ``torch.compile``, or any call after the Flex path failed with its one warning, takes the
+    chunked path whatever this says)."""
     if device.type != "cuda":
         return "chunked q.k products"
     if not flex:
