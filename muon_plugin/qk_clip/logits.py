@@ -28,6 +28,7 @@ uses key head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa`` does).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -121,9 +122,11 @@ def _flex_available(q: Tensor, flex: bool = True) -> bool:
     return flex_returns_max_scores()
 
 
+@functools.cache
 def flex_returns_max_scores() -> bool:
     """Whether this torch's FlexAttention can return its per-row max scores (``AuxRequest``,
-    a ``NamedTuple``, has the ``max_scores`` field)."""
+    a ``NamedTuple``, has the ``max_scores`` field); asked once per process, not per attention
+    call."""
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:
