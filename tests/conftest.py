@@ -2,8 +2,8 @@
 ``kernels/``, ``distributed/``, ``lp/``, ``param_groups/``, ``qk_clip/``, ``torchtitan/``,
 ``titan03/``, ``torchtune/``), the scripts' smoke tests (``scripts/``), the project's own rules
 (``project/``), torch's and torchtitan's own suites (``*_upstream/``) and the modules the tests
-share (``helpers/``, importable from every test). Also: the fixtures of the tests that run real
-training jobs, and the heartbeat plugin (``helpers/heartbeat.py``: a line a minute while a long
+share (``support/``, importable from every test). Also: the fixtures of the tests that run real
+training jobs, and the heartbeat plugin (``support/heartbeat.py``: a line a minute while a long
 test runs)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = Path(__file__).resolve().parent / "helpers"
-sys.path.insert(0, str(HELPERS))  # "from dist_utils import ...", in every test folder
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))  # "from dist_utils import ...", in every test folder
 
 pytest_plugins = ["heartbeat"]
 

@@ -58,7 +58,7 @@ DRIVERS = (Muon, MuonForeach)
 KWARGS = dict(lr=0.02, wd=0.1, momentum=0.9)
 
 
-# ---------------------------------------------------------------------- helpers (run in workers)
+# ------------------------------------------------------- shared functions (run in workers)
 
 
 def seed_of(*parts) -> int:

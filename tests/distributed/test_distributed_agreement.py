@@ -29,7 +29,7 @@ SHAPES = {"a": (8, 6), "b": (8, 6), "c": (12, 6)}
 KWARGS = dict(lr=0.02, wd=0.1, momentum=0.9)
 
 
-# ---------------------------------------------------------------------- helpers (in workers)
+# ------------------------------------------------------- shared functions (in workers)
 
 
 def fsdp_params(ws: int, seed: int = 0) -> list[tuple[str, nn.Parameter]]:

@@ -3,7 +3,7 @@
 FSDP ``Shard(0)`` (even, uneven and tall matrices) and a column-sharded ``Shard(1)`` matrix,
 in a turbo_muon x4 group beside a default (polar_express) group: after two steps every
 parameter equals the single-process ``Muon`` / ``MuonForeach`` fed the gathered gradients, bit
-for bit (the helpers of ``tests/distributed/test_distributed.py``).
+for bit (the shared functions of ``tests/distributed/test_distributed.py``).
 """
 
 from __future__ import annotations

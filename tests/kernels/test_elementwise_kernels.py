@@ -1,8 +1,8 @@
 """The grouped Triton elementwise kernels equal the foreach math (Triton interpreter, CPU).
 
 The interpreter runs in a subprocess (TRITON_INTERPRET must be set before triton is imported), with
-CPU tensors admitted to the kernel path: the helper module
-tests/helpers/kernel_interpreter_elementwise.py. Its fp32 -> bf16 cast truncates where the GPU
+CPU tensors admitted to the kernel path: the module
+tests/support/kernel_interpreter_elementwise.py. Its fp32 -> bf16 cast truncates where the GPU
 rounds to nearest even; the check patches it to round like the GPU (and like torch).
 """
 

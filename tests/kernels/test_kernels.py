@@ -1,7 +1,7 @@
 """Tests for muon_plugin.kernels: the symmetric-product Triton kernel and its dispatcher.
 
-The kernel checks run the Triton interpreter on the CPU in a subprocess (the helper module
-tests/helpers/kernel_interpreter_symmetric.py): TRITON_INTERPRET must be set before triton.jit
+The kernel checks run the Triton interpreter on the CPU in a subprocess (the module
+tests/support/kernel_interpreter_symmetric.py): TRITON_INTERPRET must be set before triton.jit
 decorates the kernel, which must not leak into other tests.
 """
 

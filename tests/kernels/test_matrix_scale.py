@@ -1,7 +1,7 @@
 """Per-matrix scaling (muon_plugin.kernels.matrix_scale): the Triton kernel equals torch's ops.
 
 The interpreter check runs in a subprocess (TRITON_INTERPRET must be set before triton is imported):
-the helper module tests/helpers/kernel_interpreter_scale.py. On a GPU the kernel is checked against
+the module tests/support/kernel_interpreter_scale.py. On a GPU the kernel is checked against
 the same ops directly."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fused int8 momentum kernel (muon_plugin.kernels.quantized) equals torchao's ops.
 
 The Triton interpreter runs in a subprocess (TRITON_INTERPRET must be set before triton is
-imported): the helper module tests/helpers/kernel_interpreter_quantized.py. The GPU comparison is in
+imported): the module tests/support/kernel_interpreter_quantized.py. The GPU comparison is in
 tests/lp/test_lp_int8.py (CUDA only)."""
 
 from __future__ import annotations

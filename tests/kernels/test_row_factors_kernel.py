@@ -1,7 +1,7 @@
 """NorMuon's row-factor kernel (muon_plugin.kernels.row_factors) equals the torch form.
 
 The interpreter check runs in a subprocess (TRITON_INTERPRET must be set before triton is
-imported): tests/helpers/kernel_interpreter_row_factors.py. On a GPU the kernel is checked
+imported): tests/support/kernel_interpreter_row_factors.py. On a GPU the kernel is checked
 against the torch form directly; on the CPU ``kernel=True`` takes the torch form.
 """
 

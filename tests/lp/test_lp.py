@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lp_helpers import (
+from lp_support import (
     DTYPES,
     KWARGS,
     groups,
@@ -51,7 +51,7 @@ UPDATE_TOLERANCE = {"bf16": 0.02, "int8": 0.03, "fp8": 0.05, "int4": 0.13}
 MOMENTUM_TOLERANCE = {"bf16": 0.005, "int8": 0.03, "fp8": 0.06, "int4": 0.24}
 
 
-# ---------------------------------------------------------------------- helpers
+# ---------------------------------------------------------------------- shared functions
 
 
 def data(n: int = 512):
@@ -329,9 +329,9 @@ def test_loaded_state_can_be_stepped_from_muon_foreach_checkpoint():
 
 def test_without_torchao_only_int8_and_fp8_fail():
     """int8 / fp8 need torchao; int4 and bf16 are plain torch
-    (tests/helpers/lp_without_torchao.py)."""
+    (tests/support/lp_without_torchao.py)."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "helpers" / "lp_without_torchao.py")],
+        [sys.executable, str(REPO / "tests" / "support" / "lp_without_torchao.py")],
         env=python_env(),
         cwd=REPO,
         capture_output=True,

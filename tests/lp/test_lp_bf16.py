@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from lp_helpers import roundtrip
+from lp_support import roundtrip
 
 from muon_plugin.lp import Bf16Codec
 from muon_plugin.lp.keys import BUFFER_KEY

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_helpers import rel_err, roundtrip, zero_state
+from lp_support import rel_err, roundtrip, zero_state
 
 from muon_plugin.lp import Bf16Codec, Fp8Codec, Int4Codec, Int8Codec, detect_format, restore
 from muon_plugin.lp.keys import BASES_KEY, BUFFER_KEY

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_helpers import zero_state
+from lp_support import zero_state
 
 from muon_plugin.lp import CODECS, MomentumCodec, codec_for
 

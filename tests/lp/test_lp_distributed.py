@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from dist_utils import run_distributed
-from lp_helpers import KWARGS, seed_of
+from lp_support import KWARGS, seed_of
 from torch import nn
 
 from muon_plugin.lp import MuonLP

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_helpers import KWARGS, groups, mlp, muon_params, rel_err, roundtrip, zero_state
+from lp_support import KWARGS, groups, mlp, muon_params, rel_err, roundtrip, zero_state
 
 from muon_plugin.lp import Fp8Codec, MuonLP
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY, U_KEY, W_KEY

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_helpers import bf16_up, rel_err, roundtrip
+from lp_support import bf16_up, rel_err, roundtrip
 
 from muon_plugin.lp import Int4Codec
 from muon_plugin.lp.int4 import (

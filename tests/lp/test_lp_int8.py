@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lp_helpers import rel_err, roundtrip
+from lp_support import rel_err, roundtrip
 
 from muon_plugin.lp import Int8Codec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY

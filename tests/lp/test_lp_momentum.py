@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 from dist_utils import run_distributed
-from lp_helpers import DTYPES, KWARGS, seed_of
+from lp_support import DTYPES, KWARGS, seed_of
 from torch import nn
 
 from muon_plugin.functional import MomentumStorage

@@ -116,7 +116,7 @@ def test_no_environment_variable_is_read_while_a_step_runs(monkeypatch, state_dt
 def test_qk_clip_reads_no_environment_variable_while_it_records_and_clips(monkeypatch):
     """QK-Clip's one switch (``MUON_PLUGIN_QK_CLIP_FLEX``) is read when the clip is built; the
     statistic of every attention call and the clip after the step read nothing."""
-    from qk_clip_helpers import GQALayer
+    from qk_clip_support import GQALayer
 
     from muon_plugin.qk_clip import QKClip, Visibility
 

@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 import torch
-from optimizer_helpers import lp_driver, make_params, set_grads
+from optimizer_support import lp_driver, make_params, set_grads
 
 from muon_plugin import Muon, MuonForeach
 

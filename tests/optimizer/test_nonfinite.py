@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from optimizer_helpers import DRIVERS, clone_params, lp_driver, make_params, set_grads
+from optimizer_support import DRIVERS, clone_params, lp_driver, make_params, set_grads
 
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.orthogonalize import MatrixSpec, orthogonalize_stack, zeropower

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from optimizer_helpers import DRIVERS, make_params, set_grads
+from optimizer_support import DRIVERS, make_params, set_grads
 
 from muon_plugin import Muon, MuonForeach
 from muon_plugin.learning_rate import lr_shape_factor

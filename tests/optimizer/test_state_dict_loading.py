@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from optimizer_helpers import DRIVERS, clone_params, make_params, set_grads
+from optimizer_support import DRIVERS, clone_params, make_params, set_grads
 
 from muon_plugin import Muon
 

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from muon_plugin import Muon, MuonForeach
 
-# torch's test helpers import expecttest (a test dependency of torch, not of its wheel).
+# torch's testing utilities import expecttest (a test dependency of torch, not of its wheel).
 pytest.importorskip("expecttest", reason="torch.testing._internal needs the expecttest package")
 from torch.testing._internal.common_optimizers import (  # noqa: E402
     optim_db,

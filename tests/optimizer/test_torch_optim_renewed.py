@@ -36,7 +36,7 @@ import torch
 
 from muon_plugin import Muon, MuonForeach
 
-# torch's test helpers import expecttest (a test dependency of torch, not of its wheel).
+# torch's testing utilities import expecttest (a test dependency of torch, not of its wheel).
 pytest.importorskip("expecttest", reason="torch.testing._internal needs the expecttest package")
 from torch.testing._internal import common_device_type, common_optimizers  # noqa: E402
 

@@ -4,7 +4,7 @@ Turbo-Muon's quintics, on every iteration path, in the optimizers and in the opt
 Oracle: the same preconditioned polynomial in fp64 (:func:`float64_turbo`, written from the
 definition, not from :mod:`muon_plugin.orthogonalize.aol`), and the exact polar factor (SVD).
 The Triton paths run with their products emulated (``kernel_like_gram``); the kernel itself
-runs them in the Triton interpreter (``tests/helpers/kernel_interpreter_turbo.py``), and on a GPU
+runs them in the Triton interpreter (``tests/support/kernel_interpreter_turbo.py``), and on a GPU
 inside CUDA graphs.
 """
 

@@ -1,4 +1,4 @@
-"""The heartbeat plugin (tests/helpers/heartbeat.py) prints a line while a long test runs."""
+"""The heartbeat plugin (tests/support/heartbeat.py) prints a line while a long test runs."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 def test_a_long_test_gets_a_line_every_period(tmp_path: Path) -> None:
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_slow():\n    time.sleep(3.5)\n\ndef test_quick():\n    pass\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(HELPERS), "MUON_TEST_HEARTBEAT_S": "1"}
+    env = {**os.environ, "PYTHONPATH": str(SUPPORT), "MUON_TEST_HEARTBEAT_S": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "heartbeat", "-p", "no:cacheprovider",
          str(tmp_path / "test_slow.py")],

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from qk_clip_helpers import FusedLayer, GQALayer, MLALayer, boost_rows, causal, head_max, masked
+from qk_clip_support import FusedLayer, GQALayer, MLALayer, boost_rows, causal, head_max, masked
 
 from muon_plugin import MuonForeach
 from muon_plugin.qk_clip import (

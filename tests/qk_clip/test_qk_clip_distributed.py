@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import device, device_type, run_distributed
-from qk_clip_helpers import rotate
+from qk_clip_support import rotate
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -12,7 +12,7 @@
   AdamW;
 - QK-Clip (``optimizer.muon.qk_clip_tau``, a tau the debug models exceed from the first steps)
   is on in every run: the FSDP run (fused ``wqkv``) and the deepseek_v3 run (MLA) log the heads they
-  clip, each at most tau x 1.5 at the next step (``tests/helpers/qk_clip_log.py``); the TP resume
+  clip, each at most tau x 1.5 at the next step (``tests/support/qk_clip_log.py``); the TP resume
   matches the uninterrupted run with it; FSDP x TP and the pipeline stages clip their heads.
 """
 

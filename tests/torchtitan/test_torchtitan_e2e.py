@@ -9,7 +9,7 @@
 - 2 pipeline stages train;
 - QK-Clip (``optimizer.muon.qk_clip_tau`` at a tau the debug models exceed from the first
   steps) is on in every run: the main run and the deepseek_v3 (MLA) run log the heads they clip,
-  each at most tau x 1.5 at the next step (``tests/helpers/qk_clip_log.py`` says why 1.5); the
+  each at most tau x 1.5 at the next step (``tests/support/qk_clip_log.py`` says why 1.5); the
   resumed runs (TP, FSDP x TP) match the uninterrupted one with it; pipeline stages clip their own
   layers.
 

@@ -15,7 +15,7 @@
   group or model;
 - QK-Clip (``optimizer.qk_clip_tau``, a tau the tiny model exceeds from step 1) is on in every
   run: the FSDP run logs the heads it clips, each at most tau x 1.5 at the next step
-  (``tests/helpers/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it.
+  (``tests/support/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it.
 
 Marked slow (each run starts in ~10 s on 2 CPU cores).
 """

@@ -1,7 +1,7 @@
 """``"turbo_muon"`` on the Triton kernel paths, with the real symmetric kernel interpreted.
 
 Run by ``tests/orthogonalize/test_turbo_muon.py`` in a subprocess with ``TRITON_INTERPRET=1``:
-``python tests/helpers/kernel_interpreter_turbo.py`` prints one JSON line per (path, shape): the
+``python tests/support/kernel_interpreter_turbo.py`` prints one JSON line per (path, shape): the
 relative distance to the fp64 map and to the same path with the kernel's products emulated
 (``kernel_like_gram``). Importing this module runs nothing.
 """

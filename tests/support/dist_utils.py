@@ -1,4 +1,4 @@
-"""Spawn helpers for the multi-process tests: gloo on CPU (default) or NCCL on GPUs.
+"""Spawning the multi-process tests: gloo on CPU (default) or NCCL on GPUs.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
 forkserver that has imported torch once, on Linux; spawned elsewhere),

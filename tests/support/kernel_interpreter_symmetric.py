@@ -2,7 +2,7 @@
 
 Run by ``tests/kernels/test_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (it must be set
 before ``triton.jit`` decorates the kernel, which must not leak into other tests): ``python
-tests/helpers/kernel_interpreter_symmetric.py`` prints one JSON line per case: relative error, exact
+tests/support/kernel_interpreter_symmetric.py`` prints one JSON line per case: relative error, exact
 symmetry, and whether every output element was written (the output is poisoned with NaN first).
 Importing this module runs nothing.
 """

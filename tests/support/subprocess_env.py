@@ -10,25 +10,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HELPERS = REPO / "tests" / "helpers"
+SUPPORT = REPO / "tests" / "support"
 
 
 def python_env(**overrides: str) -> dict[str, str]:
     """``os.environ`` with the repository prepended to ``PYTHONPATH`` (packages the parent
     finds through it, such as a ``--target`` install, stay importable) and ``overrides``."""
     path = os.pathsep.join(
-        p for p in (str(REPO), str(HELPERS), os.environ.get("PYTHONPATH", "")) if p
+        p for p in (str(REPO), str(SUPPORT), os.environ.get("PYTHONPATH", "")) if p
     )
     return {**os.environ, "PYTHONPATH": path, **overrides}
 
 
 def run_test_script(script: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    """Run the helper module ``tests/helpers/<script>`` in a fresh Python subprocess, from the
+    """Run the module ``tests/support/<script>`` in a fresh Python subprocess, from the
     repository root, with ``env`` added (Triton not switched off)."""
     full_env = python_env(**env)
     full_env.pop("MUON_PLUGIN_DISABLE_TRITON", None)
     return subprocess.run(
-        [sys.executable, str(HELPERS / script)],
+        [sys.executable, str(SUPPORT / script)],
         env=full_env,
         cwd=REPO,
         capture_output=True,
