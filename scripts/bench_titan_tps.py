@@ -267,8 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 meta + ".",
                 "",
-                "tps is torchtitan's tokens per second per device (`--metrics.log_freq 1`); the "
-                "target is Muon within 5% of AdamW on 8 GPUs. Logs: `--log-dir`.",
+                "tps is torchtitan's tokens per second per device (`--metrics.log_freq 1`); "
+                + (
+                    f"the QK-Clip runs add `--optimizer.muon.qk_clip_tau {args.qk_clip_tau:g}`."
+                    if qk
+                    else "the target is Muon within 5% of AdamW on 8 GPUs."
+                )
+                + " Logs: `--log-dir`.",
                 "",
                 text,
                 "",

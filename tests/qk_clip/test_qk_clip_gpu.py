@@ -5,7 +5,10 @@ causal, windowed, packed-document, dense and ``BlockMask`` visibilities, GQA and
 heads, bf16 and fp32, sequence lengths that are and are not multiples of FlexAttention's block
 size, the compiled FlexAttention forward's ``max_scores`` give the chunked path's maxima (fp32
 products of the same inputs; the two differ by the order of the fp32 sums and FlexAttention's
-log2 / ln 2 round trip: 1e-4 relative), and the path did run (it did not fall back).
+log2 / ln 2 round trip: 1e-4 relative), and the path did run (it did not fall back) as a fused
+kernel: torch's "called without torch.compile()" warning, what an unfused FlexAttention says (its
+compiled frame past torch's recompile limit falls back to eager), fails the test. Each case starts
+from a reset compiler, so the five visibilities' compilations stay under that limit.
 """
 
 from __future__ import annotations
@@ -40,12 +43,15 @@ def visibilities(b: int, seq: int, device) -> dict[str, Visibility]:
     }
 
 
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("seq", [1024, 1000])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 192)])
 def test_flex_path_matches_the_chunked_path(dtype, seq, heads, kv_heads, dim, monkeypatch) -> None:
     import muon_plugin.qk_clip.logits as logits
 
+    torch.compiler.reset()
+    logits._flex_state.clear()
     device = torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(0)
     b = 2
