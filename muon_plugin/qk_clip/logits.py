@@ -173,7 +173,9 @@ def _flex_max(q: Tensor, k: Tensor, scale: float, visible: Visibility) -> Tensor
     try:
         block_mask = _flex_block_mask(visible, b, hq, lq, lk, q.device)
         if "flex" not in _flex_state:
-            _flex_state["flex"] = torch.compile(flex_attention)
+            # fullgraph: past torch's recompile limit the call raises (then the chunked path)
+            # instead of running FlexAttention unfused, which materializes every score
+            _flex_state["flex"] = torch.compile(flex_attention, fullgraph=True)
         v = q.new_zeros(b, hk, lk, FLEX_V_DIM)
         _, aux = _flex_state["flex"](
             q,
@@ -187,8 +189,14 @@ def _flex_max(q: Tensor, k: Tensor, scale: float, visible: Visibility) -> Tensor
         return aux.max_scores.float().amax(dim=(0, 2))
     except Exception as e:  # any unsupported shape or torch: the exact chunked path instead
         _flex_state["failed"] = True
+        why = (
+            "torch.compile's recompile limit was reached: more attention shapes, dtypes or mask "
+            "kinds than it keeps"
+            if type(e).__name__ == "FailOnRecompileLimitHit"
+            else repr(e)
+        )
         logger.warning(
-            f"QK-Clip: the FlexAttention max-logit path failed ({e!r}); every attention call "
+            f"QK-Clip: the FlexAttention max-logit path failed ({why}); every attention call "
             f"uses the chunked path from now on (set {FLEX_ENV}=0 to choose it from the start)"
         )
         return None

@@ -534,6 +534,36 @@ def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog)
     assert torch.equal(got, max_logit_per_head(q, k, visible=vis))
 
 
+def test_the_flex_path_past_the_recompile_limit_takes_the_chunked_path(monkeypatch, caplog) -> None:
+    """FlexAttention is compiled with ``fullgraph=True``: past torch's recompile limit a call
+    raises ``FailOnRecompileLimitHit`` (a plain compile would run FlexAttention unfused and
+    materialize every score), and the statistic then takes the chunked path, saying why."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    import muon_plugin.qk_clip.logits as logits
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((fn.__name__, kwargs))
+
+        def over_the_limit(*args, **kw):
+            raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+        return over_the_limit
+
+    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: True)
+    monkeypatch.setattr(logits.torch, "compile", fake_compile)
+    monkeypatch.setattr(logits, "_flex_state", {"masks": {"x": None}})
+    q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    with caplog.at_level("WARNING"):
+        got = max_logit_per_head(q, k, visible=Visibility(causal=True, block_mask=object()))
+    assert compiled == [("flex_attention", {"fullgraph": True})]
+    assert "recompile limit was reached" in caplog.text and logits._flex_state["failed"]
+    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: False)
+    assert torch.equal(got, max_logit_per_head(q, k, visible=Visibility(causal=True)))
+
+
 def test_this_torch_flex_attention_returns_max_scores() -> None:
     """Every supported torch (>= 2.11) has FlexAttention's ``max_scores``: the check must see it
     (it once looked for dataclass fields on what is a NamedTuple, so CUDA never took the
