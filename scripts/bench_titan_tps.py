@@ -200,6 +200,32 @@ def machine_text(nproc: int | None) -> str:
         return "unknown machine"
 
 
+def results_section(meta: str, text: str, verdict: str, qk_clip_tau: float | None) -> str:
+    """The RESULTS.md section of a run: AdamW vs Muon, or (``qk_clip_tau``) Muon with and
+    without QK-Clip, which names the tau its QK-Clip runs add instead of the AdamW target."""
+    title = "AdamW vs Muon" if qk_clip_tau is None else "Muon with and without QK-Clip"
+    what = (
+        "the target is Muon within 5% of AdamW on 8 GPUs."
+        if qk_clip_tau is None
+        else f"the QK-Clip runs add `--optimizer.muon.qk_clip_tau {qk_clip_tau:g}`."
+    )
+    return "\n".join(
+        [
+            f"## torchtitan throughput, {title} (scripts/bench_titan_tps.py)",
+            "",
+            meta + ".",
+            "",
+            "tps is torchtitan's tokens per second per device (`--metrics.log_freq 1`); "
+            + what
+            + " Logs: `--log-dir`.",
+            "",
+            text,
+            "",
+            verdict,
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -260,26 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "verdict": verdict}, indent=1))
     if args.results:
         qk = any(r["optimizer"].endswith(QK_CLIP_VARIANT) for r in rows)
-        title = "Muon with and without QK-Clip" if qk else "AdamW vs Muon"
-        section = "\n".join(
-            [
-                f"## torchtitan throughput, {title} (scripts/bench_titan_tps.py)",
-                "",
-                meta + ".",
-                "",
-                "tps is torchtitan's tokens per second per device (`--metrics.log_freq 1`); "
-                + (
-                    f"the QK-Clip runs add `--optimizer.muon.qk_clip_tau {args.qk_clip_tau:g}`."
-                    if qk
-                    else "the target is Muon within 5% of AdamW on 8 GPUs."
-                )
-                + " Logs: `--log-dir`.",
-                "",
-                text,
-                "",
-                verdict,
-            ]
-        )
+        section = results_section(meta, text, verdict, args.qk_clip_tau if qk else None)
         # the QK-Clip comparison has its own section: the AdamW vs Muon one stays
         write_section(args.results, "bench_titan_tps_qk_clip" if qk else "bench_titan_tps", section)
         print(f"wrote {args.results}")

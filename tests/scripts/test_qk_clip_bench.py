@@ -58,6 +58,13 @@ def test_titan_tps_qk_clip_entry_is_a_valid_job() -> None:
     text, verdict = bench_titan_tps.table(rows, 0.95)
     assert "| muon+qk_clip | 970 |" in text
     assert verdict.startswith("Muon with QK-Clip / Muon tokens/s = 0.970.")
+    section = bench_titan_tps.results_section("meta", text, verdict, 100.0)
+    assert section.startswith("## torchtitan throughput, Muon with and without QK-Clip")
+    assert "QK-Clip runs add `--optimizer.muon.qk_clip_tau 100`" in section
+    assert "AdamW" not in section  # the AdamW target belongs to the AdamW vs Muon section
+    assert "target is Muon within 5% of AdamW" in bench_titan_tps.results_section(
+        "meta", text, verdict, None
+    )
 
 
 def test_bench_8b_4l_is_four_llama3_8b_layers() -> None:
