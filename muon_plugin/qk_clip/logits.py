@@ -60,7 +60,12 @@ FLEX_V_DIM = 16
 def should_record() -> bool:
     """Whether a forward counts towards the step's statistic: autograd on, not inference mode
     (validation and generation run under ``no_grad`` / ``inference_mode`` and are left out;
-    a checkpointed layer's recomputation counts again, which the MAX makes harmless)."""
+    a checkpointed layer's recomputation counts again, which the MAX makes harmless). Under
+    ``torch.compile`` only autograd is asked: dynamo cannot trace the inference-mode query
+    (torchtitan compiles each block with ``fullgraph=True``, where that break is an error), and
+    it does not trace code under ``inference_mode`` anyway."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled()
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 

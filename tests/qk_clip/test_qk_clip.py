@@ -605,8 +605,9 @@ def test_the_flex_switch_is_read_once_and_named_in_the_build_line(monkeypatch) -
 
 def test_a_compiled_attention_records_the_eager_statistic() -> None:
     """Under ``torch.compile`` (dynamo and AOT autograd; the aot_eager backend keeps the test
-    fast) the recording is traced into the graph: the statistic equals eager's, step after
-    step, and the clip after the step works on it."""
+    fast) the recording is traced into the graph with no graph break (``fullgraph=True``, as
+    torchtitan compiles its blocks): the statistic equals eager's, step after step, and the
+    clip after the step works on it."""
     import torch.nn.functional as F
 
     class Attention(torch.nn.Module):
@@ -625,7 +626,7 @@ def test_a_compiled_attention_records_the_eager_statistic() -> None:
     eager, compiled = Attention(), Attention()
     eager.clip = QKClip([eager.layer.heads()], tau=4.0)
     compiled.clip = QKClip([compiled.layer.heads()], tau=4.0)
-    run = torch.compile(compiled, backend="aot_eager")
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True)  # torchtitan's setting
     for _ in range(2):
         eager(x).backward()
         run(x).backward()

@@ -6,12 +6,13 @@
   the losses of the uninterrupted run that saved it; these runs use NorMuon
   (``normalization = "normuon"``), so the per-row second moments are resharded too (row shards
   to TP's copies of a column-sharded matrix's rows);
-- 2 pipeline stages train;
+- 2 pipeline stages train, each block compiled as torchtitan compiles it (``fullgraph=True``),
+  with QK-Clip recorded inside the compiled graphs;
 - QK-Clip (``optimizer.muon.qk_clip_tau`` at a tau the debug models exceed from the first
   steps) is on in every run: the main run and the deepseek_v3 (MLA) run log the heads they clip,
   each at most tau x 1.5 at the next step (``tests/support/qk_clip_log.py`` says why 1.5); the
-  resumed runs (TP, FSDP x TP) match the uninterrupted one with it; pipeline stages clip their own
-  layers.
+  resumed runs (TP, FSDP x TP) match the uninterrupted one with it; the first pipeline stage
+  clips its own layers.
 
 Marked slow (each torchrun starts in ~10 s on 2 CPU cores); run by default. Six torchrun
 launches in all: each run checks as much as it can, to keep the file's time down.
@@ -83,9 +84,10 @@ def run_main_command(
 
 
 def run_titan(
-    args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int = 0
+    args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int | str = 0
 ) -> str:
-    """torchrun -m torchtitan.train with the debug config; returns ``log_rank``'s output."""
+    """torchrun -m torchtitan.train with the debug config; returns the output of ``log_rank``
+    (a rank, or ranks as ``"0,1"``)."""
     env = titan_env(tmp)
     cmd = [
         sys.executable,
@@ -292,23 +294,32 @@ def test_checkpoint_from_fsdp2_resumes(
 
 
 def test_pipeline_parallel_trains_with_muon(assets: Path, tmp_path: Path) -> None:
-    """2 pipeline stages, one optimizer per model part; the last stage logs the loss."""
+    """2 pipeline stages, one optimizer per model part; the last stage logs the loss. Each
+    block is compiled (``--compile.enable``: torchtitan's ``fullgraph=True`` per block; the
+    aot_eager backend keeps it fast): QK-Clip's recording is traced into the graphs without a
+    break, and the first stage (rank 0) clips its own layers' heads."""
     steps = 6
+    tau = 0.5  # one data-parallel rank: the first logits are lower than under FSDP=2
     pp2 = [
         "--parallelism.pipeline_parallel_degree",
         "2",
         "--parallelism.pipeline_parallel_microbatch_size",
         "1",
     ]
+    compiled = ["--compile.enable", "--compile.backend", "aot_eager"]
+    qk_clip = ["--optimizer.muon.qk_clip_tau", str(tau)]
     log = run_titan(
-        [*local_run_args(assets, tmp_path / "pp2", steps), *pp2, *QK_CLIP],
+        [*local_run_args(assets, tmp_path / "pp2", steps), *pp2, *compiled, *qk_clip],
         tmp_path,
         nproc=2,
-        log_rank=1,
+        log_rank="0,1",
     )
-    got = losses(log)
+    got = losses(log)  # rank 1's: rank 0, not the last stage, logs a loss of -1
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert got[steps] < got[1] - 0.5, f"loss did not fall: {got}"
+    assert "Compiling each TransformerBlock with torch.compile" in log
+    assert "3 attention layers (multi-head), 48 query heads" in log  # rank 0's stage
+    check_clipping(log, tau)
 
 
 def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
