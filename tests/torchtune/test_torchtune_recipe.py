@@ -15,7 +15,8 @@
   group or model;
 - QK-Clip (``optimizer.qk_clip_tau``, a tau the tiny model exceeds from step 1) is on in every
   run: the FSDP run logs the heads it clips, each at most tau x 1.5 at the next step
-  (``tests/support/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it.
+  (``tests/support/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it;
+  with ``compile=True`` (each layer compiled) the recording is traced and the losses are eager's.
 
 Marked slow (each run starts in ~10 s on 2 CPU cores).
 """
@@ -196,6 +197,22 @@ def test_tp_with_dcp_matches_fsdp_and_resumes_exactly(
     resumed = losses(log_dir)
     assert sorted(resumed) == list(range(STEPS + 1, STEPS * EPOCHS + 1)), resumed
     assert resumed == {s: got[s] for s in resumed}
+
+
+def test_compiled_layers_clip_like_eager(
+    fsdp: dict, tt_data: Path, tt_init: Path, monkeypatch
+) -> None:
+    """``compile=True`` (torchtune compiles each layer; the aot_eager backend keeps it fast):
+    QK-Clip's recording is traced into the compiled layers, clips heads as in the eager run,
+    and the losses equal the eager FSDP run's."""
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
+    out = fsdp["tmp"] / "compiled"
+    log = run(fsdp["tmp"], training(tt_data, tt_init, out, ["compile=True"]))
+    check_clipping(log, TAU)
+    got = losses(out / "logs")
+    assert sorted(got) == sorted(fsdp["losses"]), got
+    for step, loss in fsdp["losses"].items():
+        assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
 
 
 def test_optimizer_in_bwd_fails_in_one_line(monkeypatch, capsys) -> None:
