@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["did_you_mean", "one_line", "unknown_key", "unrecognized_options"]
+__all__ = ["did_you_mean", "one_line", "stray_value", "unknown_key", "unrecognized_options"]
 
 _TITLES = ("Invalid choice", "Value error", "Parsing error", "Required options")
 _SECTIONS = ("Available subcommands:", "Perhaps you meant:", "Arguments similar to")
@@ -73,11 +73,33 @@ def _flag_key(flag: str) -> str:
     return flag.lstrip("-").split("=", 1)[0].rstrip(",").replace("-", "_")
 
 
-def unrecognized_options(text: str) -> str | None:
+def stray_value(args: Sequence[str], value: str) -> str | None:
+    """A value the parser did not take (``--optimizer.muon.compile true`` or ``...=true``),
+    named by its flag: a flag that takes no value (a boolean). None unless exactly one flag of
+    ``args`` has ``value`` after it (``--training.steps 7 ... 7`` does not say which one)."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and arg.endswith(f"={value}"):
+            found.append((arg.split("=", 1)[0], arg))
+        elif arg == value and i > 0 and args[i - 1].startswith("--") and "=" not in args[i - 1]:
+            found.append((args[i - 1], f"{args[i - 1]} {value}"))
+    if len(found) != 1:
+        return None
+    flag, given = found[0]
+    head, _, last = flag[2:].rpartition(".")
+    clear = f"--{head + '.' if head else ''}no-{last.replace('_', '-')}"
+    return (
+        f"{_flag_key(flag)}: a flag, it takes no value (command line {given}); "
+        f"{flag} sets it, {clear} clears it"
+    )
+
+
+def unrecognized_options(text: str, args: Sequence[str] = ()) -> str | None:
     """tyro's "Unrecognized options" error as an :func:`unknown_key` line, else None.
 
     The first unrecognized flag is the key (``section.field``, underscores); tyro's first
-    "Perhaps you meant" flag is the suggestion.
+    "Perhaps you meant" flag is the suggestion. Without a flag, a value after a boolean flag
+    in ``args`` (the command line) is named by that flag (:func:`stray_value`).
     """
     joined = _words(text)
     found = re.search(r"Unrecognized options: (.*)", joined)
@@ -89,7 +111,8 @@ def unrecognized_options(text: str) -> str | None:
     tokens = [t.rstrip(",") for t in listed.split()]
     flags = [t for t in tokens if t.startswith("-")]
     if not flags:
-        return f"unrecognized command-line arguments: {' '.join(tokens)}"
+        stray = stray_value(args, tokens[0]) if tokens else None
+        return stray or f"unrecognized command-line arguments: {' '.join(tokens)}"
     hint = ""
     meant = re.search(r"Perhaps you meant: (.*)", joined)
     if meant:

@@ -27,7 +27,12 @@ import sys
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from muon_plugin.param_groups.messages import first_line, one_line, unknown_key
+from muon_plugin.param_groups.messages import (
+    first_line,
+    one_line,
+    unknown_key,
+    unrecognized_options,
+)
 
 __all__ = ["check", "main", "unknown_cli_key", "unknown_toml_key"]
 
@@ -104,7 +109,8 @@ def check(config: str, args: list[str]) -> Any:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ValueError(one_line(captured.getvalue())) from None
+        text = captured.getvalue()
+        raise ValueError(unrecognized_options(text, full) or one_line(text)) from None
     except (ValueError, TypeError) as e:
         raise ValueError(first_line(e)) from None
 

@@ -80,7 +80,7 @@ def check(args: list[str]) -> Any:
         if e.code in (0, None):
             raise
         text = captured.getvalue()
-        raise ValueError(unrecognized_options(text) or one_line(text)) from None
+        raise ValueError(unrecognized_options(text, args) or one_line(text)) from None
     except (ValueError, TypeError, ImportError) as e:
         raise ValueError(first_line(e)) from None
     return config

@@ -217,6 +217,17 @@ def test_tyro_boxes_become_one_line() -> None:
     )
     no_flag = TYRO_UNRECOGNIZED.replace("--trainig.steps, 3", "7")
     assert unrecognized_options(no_flag) == "unrecognized command-line arguments: 7"
+    # a value after a boolean flag of the command line: that flag is named, with both forms
+    args = ["--config", "x", "--compile.enable", "7"]
+    assert unrecognized_options(no_flag, args) == (
+        "compile.enable: a flag, it takes no value (command line --compile.enable 7); "
+        "--compile.enable sets it, --compile.no-enable clears it"
+    )
+    assert unrecognized_options(no_flag, ["--training.disable_cuda_graphs=7"]).startswith(
+        "training.disable_cuda_graphs: a flag, it takes no value (command line "
+        "--training.disable_cuda_graphs=7); --training.disable_cuda_graphs sets it, "
+        "--training.no-disable-cuda-graphs clears it"
+    )
 
 
 def test_the_check_lists_the_paths_the_job_reads(capsys, monkeypatch) -> None:

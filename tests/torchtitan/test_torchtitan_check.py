@@ -71,6 +71,15 @@ def test_toml_typo_names_the_key_with_a_suggestion(capsys, tmp_path: Path) -> No
         (["--optimizer.muon.orthogonalization", "x"], "'--optimizer.muon.orthogonalization'"),
         (["--training.steps", "abc"], "training.steps: invalid literal"),
         (["--optimizer.muon.output_patterns", "re:("], "optimizer.muon.output_patterns: invalid"),
+        # a value given to a boolean flag: named by the flag, with both of its forms
+        (
+            ["--optimizer.muon.compile", "true"],
+            "optimizer.muon.compile: a flag, it takes no value (command line "
+            "--optimizer.muon.compile true); --optimizer.muon.compile sets it, "
+            "--optimizer.muon.no-compile clears it",
+        ),
+        (["--checkpoint.enable=false"], "checkpoint.enable: a flag, it takes no value"),
+        (["--training.steps", "7", "--optimizer.muon.compile", "7"], "arguments: 7"),  # which?
     ],
 )
 def test_bad_overrides_are_one_line(capsys, args: list[str], expected: str) -> None:
