@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from muon_plugin.adapter.job import is_rank0
 from muon_plugin.param_groups.options import MuonConfig
-from muon_plugin.param_groups.rules import strip_fqn
+from muon_plugin.param_groups.rules import WRAPPER_PREFIXES, strip_fqn
 from muon_plugin.qk_clip import AttentionHeads, QKClip, QKClipReport
 
 __all__ = [
@@ -61,6 +61,18 @@ class AttentionSite:
 Describer = Callable[[str, nn.Module], AttentionSite | None]
 
 
+def unwrapped_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the wrappers torch.compile, activation checkpointing
+    and FSDP1 insert, each module named without their components: a wrapper forwards attribute
+    access to the module it wraps (torchtitan compiles deepseek_v3's attention modules one by
+    one), so it would be described a second time, under another name."""
+    wrapper_children = {prefix.rstrip(".") for prefix in WRAPPER_PREFIXES}
+    for name, module in model.named_modules():
+        if wrapper_children & module._modules.keys():
+            continue
+        yield strip_fqn(f"{name}.")[:-1], module
+
+
 def build_qk_clip(
     parts: Sequence[nn.Module],
     cfg: MuonConfig,
@@ -81,8 +93,8 @@ def build_qk_clip(
         return None
     sites: list[AttentionSite] = []
     for part in parts:
-        for name, module in part.named_modules():
-            site = describe(strip_fqn(name), module)
+        for name, module in unwrapped_modules(part):
+            site = describe(name, module)
             if site is not None:
                 sites.append(site)
     if not sites and pipeline:

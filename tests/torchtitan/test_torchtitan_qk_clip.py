@@ -180,6 +180,24 @@ def test_every_head_of_the_model_is_clipped_exactly(case: str) -> None:
     assert moved and all(n.endswith(allowed) for n in moved), sorted(moved)
 
 
+def test_wrapped_attention_modules_are_described_once() -> None:
+    """torchtitan compiles deepseek_v3's attention modules one by one (``torch.compile`` wraps
+    each in an ``OptimizedModule``, which forwards attribute access to the module it wraps);
+    activation checkpointing wraps modules too. Each attention is one site, named without the
+    wrapper's component, as in the unwrapped model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = build_model("deepseek_v3", "debugmodel", **TWO)
+    model = copy.deepcopy(plain)
+    for i, block in enumerate(model.layers.values()):
+        wrap = torch.compile if i % 2 == 0 else checkpoint_wrapper
+        block.attention = wrap(block.attention)
+    want = build_qk_clip([plain], MuonConfig(qk_clip_tau=1.0), describe_attention, None)
+    got = build_qk_clip([model], MuonConfig(qk_clip_tau=1.0), describe_attention, None)
+    assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers]
+    assert len(got.layers) == len(model.layers) > 1
+
+
 def test_qk_norm_is_refused_with_the_way_out() -> None:
     model = build_model("qwen3", "debugmodel", **TWO)
     with pytest.raises(QKClipRefused, match=r"layers\.0\.attention \(Attention\).*qk_norm.*unset"):
