@@ -70,7 +70,7 @@ def unwrapped_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if wrapper_children & module._modules.keys():
             continue
-        yield strip_fqn(f"{name}.")[:-1], module
+        yield strip_fqn(name), module
 
 
 def build_qk_clip(

@@ -118,10 +118,11 @@ def option_error(prefix: str, key: str, problem: str) -> SettingError:
 
 def strip_fqn(name: str) -> str:
     """``name`` without the wrapper components activation checkpointing, torch.compile and
-    FSDP1 insert (wherever they appear)."""
+    FSDP1 insert (wherever they appear, last included: a wrapped module's own name)."""
+    name = f"{name}."
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
-    return name
+    return name[:-1]
 
 
 def _is_norm_module(module_name: str) -> bool:

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from qk_clip_support import FusedLayer, GQALayer, MLALayer, boost_rows, causal, head_max, masked
+from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from muon_plugin import MuonForeach
 from muon_plugin.qk_clip import (
@@ -511,35 +512,21 @@ def test_flex_path_masks_and_plumbing_on_cpu(monkeypatch) -> None:
     assert len(logits._flex_state["masks"]) == 2  # causal and window masks are cached
 
 
-def test_a_failing_flex_path_falls_back_once_with_a_warning(monkeypatch, caplog) -> None:
-    import muon_plugin.qk_clip.logits as logits
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no kernel for this shape")
-
-    def unless_failed(q, flex=True) -> bool:
-        return not logits._flex_state.get("failed")
-
-    monkeypatch.setattr(logits, "_flex_available", unless_failed)
-    monkeypatch.setitem(logits._flex_state, "flex", broken)
-    monkeypatch.setitem(logits._flex_state, "masks", {"x": None})
-    monkeypatch.setitem(logits._flex_state, "failed", False)
-    q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
-    vis = Visibility(causal=True)
-    with caplog.at_level("WARNING"):
-        got = max_logit_per_head(q, k, visible=Visibility(causal=True, block_mask=object()))
-    assert "the FlexAttention max-logit path failed" in caplog.text
-    assert logits._flex_state["failed"]
-    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: False)
-    assert torch.equal(got, max_logit_per_head(q, k, visible=vis))
-
-
-def test_the_flex_path_past_the_recompile_limit_takes_the_chunked_path(monkeypatch, caplog) -> None:
-    """FlexAttention is compiled with ``fullgraph=True``: past torch's recompile limit a call
-    raises ``FailOnRecompileLimitHit`` (a plain compile would run FlexAttention unfused and
-    materialize every score), and the statistic then takes the chunked path, saying why."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
+@pytest.mark.parametrize(
+    "error, why",
+    [
+        (RuntimeError("no kernel for this shape"), "RuntimeError('no kernel for this shape')"),
+        # fullgraph: past torch's recompile limit a call raises (a plain compile would run
+        # FlexAttention unfused and materialize every score)
+        (FailOnRecompileLimitHit("fullgraph=True"), "recompile limit was reached"),
+    ],
+    ids=["unsupported", "recompile-limit"],
+)
+def test_a_failing_flex_path_falls_back_once_with_a_warning(
+    error: Exception, why: str, monkeypatch, caplog
+) -> None:
+    """FlexAttention is compiled with ``fullgraph=True``; when its call raises, this and every
+    later statistic takes the exact chunked path, and one warning says why."""
     import muon_plugin.qk_clip.logits as logits
 
     compiled = []
@@ -547,21 +534,26 @@ def test_the_flex_path_past_the_recompile_limit_takes_the_chunked_path(monkeypat
     def fake_compile(fn, **kwargs):
         compiled.append((fn.__name__, kwargs))
 
-        def over_the_limit(*args, **kw):
-            raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+        def broken(*args, **kw):
+            raise error
 
-        return over_the_limit
+        return broken
 
-    monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: True)
+    def unless_failed(q, flex=True) -> bool:
+        return not logits._flex_state.get("failed")
+
+    monkeypatch.setattr(logits, "_flex_available", unless_failed)
     monkeypatch.setattr(logits.torch, "compile", fake_compile)
-    monkeypatch.setattr(logits, "_flex_state", {"masks": {"x": None}})
+    monkeypatch.setattr(logits, "_flex_state", {"masks": {"x": None}, "failed": False})
     q, k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    vis = Visibility(causal=True)
     with caplog.at_level("WARNING"):
         got = max_logit_per_head(q, k, visible=Visibility(causal=True, block_mask=object()))
     assert compiled == [("flex_attention", {"fullgraph": True})]
-    assert "recompile limit was reached" in caplog.text and logits._flex_state["failed"]
+    assert "the FlexAttention max-logit path failed" in caplog.text and why in caplog.text
+    assert logits._flex_state["failed"]
     monkeypatch.setattr(logits, "_flex_available", lambda q, flex=True: False)
-    assert torch.equal(got, max_logit_per_head(q, k, visible=Visibility(causal=True)))
+    assert torch.equal(got, max_logit_per_head(q, k, visible=vis))
 
 
 def test_this_torch_flex_attention_returns_max_scores() -> None:
