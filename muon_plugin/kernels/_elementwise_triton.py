@@ -44,6 +44,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 #                   (row factors: + factors address, row length)
 #   int8 momentum:  grad address, codes address, numel, first tile, direction offset,
 #                   scales address (``_quantized_triton``)
+#   int4 momentum:  packed codes address, grad address, numel, first tile, direction offset,
+#                   scale codes address, bases address (``_quantized_triton``)
 
 
 @triton.jit
@@ -273,16 +275,17 @@ def _tables(
     a: Sequence[torch.Tensor],
     b: Sequence[torch.Tensor],
     with_dir: bool,
-    extra: Sequence[torch.Tensor] = (),
+    extra: Sequence[Sequence[torch.Tensor]] = (),
     row_lengths: Sequence[int] = (),
 ) -> tuple[_Layout, torch.Tensor, bool]:
     """The cached (layout, meta table, all pointers 16-byte aligned) of a list pair.
 
-    ``extra``: one more tensor per entry whose address ends each row (the int8 kernel's
-    scales; the decay-update kernel's row factors, then followed by ``row_lengths``, its rows'
-    lengths). The meta table is keyed on everything it encodes (device, dtypes, shapes, data
-    pointers) plus the stream: tables are only used on the stream that copied them in (and
-    whose pool frees them), so a list whose pointers moved always gets fresh tables.
+    ``extra``: more columns, one tensor per entry each, whose addresses end each row (the int8
+    kernel's scales; the int4 kernel's scale codes and bases; the decay-update kernel's row
+    factors, then followed by ``row_lengths``, its rows' lengths). The meta table is keyed on
+    everything it encodes (device, dtypes, shapes, data pointers) plus the stream: tables are
+    only used on the stream that copied them in (and whose pool frees them), so a list whose
+    pointers moved always gets fresh tables.
     """
     device = b[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
@@ -290,7 +293,7 @@ def _tables(
     layout = _layouts.get_or_build((device, stream, shapes), lambda: _Layout(shapes, device))
     a_ptrs = tuple(map(torch.Tensor.data_ptr, a))
     b_ptrs = tuple(map(torch.Tensor.data_ptr, b))
-    x_ptrs = tuple(map(torch.Tensor.data_ptr, extra))
+    x_ptrs = tuple(tuple(map(torch.Tensor.data_ptr, column)) for column in extra)
     row_lengths = tuple(row_lengths)
     key = (
         device, stream, with_dir, a[0].dtype, b[0].dtype, shapes, a_ptrs, b_ptrs, x_ptrs,
@@ -302,13 +305,12 @@ def _tables(
         cols = [a_ptrs, b_ptrs, numels, layout.first_tile]
         if with_dir:
             cols.append(layout.dir_offset)
-        if x_ptrs:
-            cols.append(x_ptrs)
+        cols.extend(x_ptrs)
         if row_lengths:
             cols.append(row_lengths)
         meta = torch.tensor(list(zip(*cols, strict=True)), dtype=torch.int64).reshape(-1)
         # Row factors are read one per row (no vector loads): their alignment does not matter.
-        checked = a_ptrs + b_ptrs + (() if row_lengths else x_ptrs)
+        checked = a_ptrs + b_ptrs + (() if row_lengths else sum(x_ptrs, ()))
         aligned = all(p % _ALIGN == 0 for p in checked)
         return _to_device(meta, device), aligned
 
@@ -377,7 +379,7 @@ def grouped_decay_update(
                 raise ValueError(f"row factors {tuple(f.shape)} ({f.dtype}) for {tuple(u.shape)}")
             lengths.append(u.numel() // f.numel() if f.numel() else 1)
     layout, meta, aligned = _tables(
-        params, updates, with_dir=False, extra=factors or (), row_lengths=lengths
+        params, updates, with_dir=False, extra=[factors] if factors else (), row_lengths=lengths
     )
     if not layout.n_tiles:
         return

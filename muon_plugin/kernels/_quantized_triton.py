@@ -1,8 +1,9 @@
-"""Triton kernel for int8 Muon momentum: dequantize, momentum step and requantize in one pass.
+"""Triton kernels for quantized Muon momentum: dequantize, momentum step and requantize in one
+pass, for int8 (torchao's format) and int4 (:mod:`muon_plugin.lp.int4`).
 
-The state is torchao's 8-bit optimizer state (``OptimState8bit``): uint8 codes into a signed
-256-level dynamic-tree map and an fp32 absmax per block of ``BS`` consecutive elements. Eager
-torchao runs this step as about forty kernels over int64 temporaries; here one launch covers a
+**int8.** The state is torchao's 8-bit optimizer state (``OptimState8bit``): uint8 codes into a
+signed 256-level dynamic-tree map and an fp32 absmax per block of ``BS`` consecutive elements.
+Eager torchao runs this step as about forty kernels over int64 temporaries; here one launch covers a
 whole list of momenta of any shapes (the grouped tables of ``_elementwise_triton``: a
 ``TILE``-element tile per program, ``ROWS`` whole blocks of one tensor), reading grad, codes
 and scales once and writing codes, scales and the direction once (8 bytes per element with an
@@ -13,6 +14,17 @@ The math is torchao's, operation for operation: ``qmap[codes] * scale``; Muon's
 ``amax(|buf|).clip(1e-12)``; ``buf / scale`` correctly rounded; the branchless binary search
 for the largest level <= x and torchao's round-up test; the direction ``grad.lerp(buf,
 momentum)`` (Nesterov) or ``buf``, in fp32 or rounded once to bf16.
+
+**int4.** Packed 4-bit mid-rise codes, an 8-bit scale code per block of ``BS`` elements and a
+bf16 base per super-block of 16 blocks; a program takes ``SUPERS`` whole super-blocks of one
+tensor (``TILE`` elements), reading grad, codes, scale codes and bases once and writing them and
+the direction once (7.6 bytes per element with an fp32 grad and a bf16 direction). The math is
+:func:`muon_plugin.lp.int4.int4_update`'s, operation for operation: the block scale ``base *
+factors[code]`` (a table lookup), the value ``(code - 7.5) * (scale * 0.125)``, Muon's lerp, the
+super-block's base (its absmax rounded up to bf16 on the bits), each block's scale code (the
+log2 estimate settled by comparisons with the midpoint table, so an estimate off by one gives
+the same code), ``floor(buf / scale * 8) + 8`` clamped to [0, 15] with a correctly rounded
+division, and the direction as for int8.
 
 Imports triton at top level: reach it only through ``muon_plugin.kernels.quantized``.
 """
@@ -117,7 +129,7 @@ def grouped_int8_momentum(
     if not grads:
         return []
     block = codes[0].numel() // scales[0].numel()
-    layout, meta, aligned = _tables(grads, codes, with_dir=True, extra=scales)
+    layout, meta, aligned = _tables(grads, codes, with_dir=True, extra=[scales])
     flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=codes[0].device)
     if layout.n_tiles:
         _grouped_int8_momentum_kernel[(layout.n_tiles,)](
@@ -133,5 +145,132 @@ def grouped_int8_momentum(
             NESTEROV=nesterov,
             BS=block,
             ROWS=TILE // block,
+        )
+    return layout.directions(flat)
+
+
+_TINY = 1.1754943508222875e-38
+"""``torch.finfo(torch.float32).tiny``: the least divisor of a block scale (an all-zero block)."""
+
+
+@triton.jit
+def _round_up_to_bf16(x):
+    """The smallest bf16 value >= ``x`` (fp32, >= 0), as fp32, on the bits (as
+    :func:`muon_plugin.lp.int4.round_up_to_bf16`)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_scale_codes(absmax, base, mid_ptr):
+    """Each block's scale code (int32) of its absmax (``(SUPERS, 16)``) against its super-block's
+    base (``(SUPERS, 1)``), as :func:`muon_plugin.lp.int4.int4_scale_codes`."""
+    est = tl.log2(tl.math.div_rn(absmax, tl.maximum(base, _TINY))) * -32.0
+    est = tl.where(est == est, est, 0.0)  # NaN -> 0, as nan_to_num
+    k = tl.floor(tl.minimum(tl.maximum(est, 0.0), 254.0) + 0.5).to(tl.int32)
+    k += (absmax < base * tl.load(mid_ptr + k + 1)).to(tl.int32)
+    k -= (absmax >= base * tl.load(mid_ptr + k)).to(tl.int32)
+    return tl.where(absmax == 0.0, 255, k)
+
+
+@triton.jit
+def _grouped_int4_momentum_kernel(
+    meta_ptr,
+    tiles_ptr,
+    dir_ptr,
+    factors_ptr,
+    mid_ptr,
+    w,
+    m,
+    G_TY: tl.constexpr,
+    D_TY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    BS: tl.constexpr,
+    SUPERS: tl.constexpr,
+):
+    UNIT: tl.constexpr = 16 * BS
+    row, n, start = _program_tile(meta_ptr, tiles_ptr, 7, SUPERS * UNIT)
+    c_base = tl.load(row).to(tl.pointer_type(tl.uint8))
+    g_base = tl.load(row + 1).to(tl.pointer_type(G_TY))
+    d_off = tl.load(row + 4)
+    k_base = tl.load(row + 5).to(tl.pointer_type(tl.uint8))
+    b_base = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16))
+    if ALIGNED:  # the hint goes on the pointers: an int-to-pointer cast drops it
+        g_base = tl.multiple_of(g_base, 16)
+        c_base = tl.multiple_of(c_base, 16)
+        d_off = tl.multiple_of(d_off, 8)
+    supers = start // UNIT + tl.arange(0, SUPERS)
+    s_mask = supers < n // UNIT
+    blocks = supers[:, None] * 16 + tl.arange(0, 16)[None, :]
+    b_mask = s_mask[:, None]
+    offs = blocks[:, :, None] * BS + tl.arange(0, BS)[None, None, :]
+    mask = s_mask[:, None, None]
+    g = tl.load(g_base + offs, mask=mask, other=0.0).to(tl.float32)
+    packed = tl.load(c_base + offs // 2, mask=mask, other=0).to(tl.int32)
+    codes = (packed >> ((1 - (offs & 1)) * 4).to(tl.int32)) & 15  # high nibble first
+    base = tl.load(b_base + supers, mask=s_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_base + blocks, mask=b_mask, other=255).to(tl.int32)
+    scale = base[:, None] * tl.load(factors_ptr + k)
+    buf = _lerp((codes.to(tl.float32) - 7.5) * (scale * 0.125)[:, :, None], g, w)
+
+    absmax = tl.max(tl.abs(buf), axis=2)
+    new_base = _round_up_to_bf16(tl.max(absmax, axis=1))[:, None]
+    k = _int4_scale_codes(absmax, new_base, mid_ptr)
+    inv = tl.maximum(new_base * tl.load(factors_ptr + k), _TINY)[:, :, None]
+    q = tl.floor(tl.math.div_rn(buf, tl.broadcast_to(inv, (SUPERS, 16, BS))) * 8.0) + 8.0
+    q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
+    pairs = tl.reshape(q, (SUPERS * UNIT // 2, 2))
+    nibble = 16 - 15 * tl.arange(0, 2)  # high nibble first: x 16, x 1
+    byte_offs = start // 2 + tl.arange(0, SUPERS * UNIT // 2)
+    tl.store(
+        c_base + byte_offs, tl.sum(pairs * nibble[None, :], axis=1).to(tl.uint8),
+        mask=byte_offs < n // 2,
+    )  # fmt: skip
+    tl.store(k_base + blocks, k.to(tl.uint8), mask=b_mask)
+    tl.store(b_base + supers, tl.reshape(new_base, (SUPERS,)).to(tl.bfloat16), mask=s_mask)
+    if NESTEROV:
+        direction = _lerp(g, buf, m)
+    else:
+        direction = buf
+    tl.store(dir_ptr + d_off + offs, direction.to(D_TY), mask=mask)
+
+
+def grouped_int4_momentum(
+    codes: Sequence[torch.Tensor],
+    scale_codes: Sequence[torch.Tensor],
+    bases: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    factors: torch.Tensor,
+    midpoints: torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+    direction_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """One launch: Muon's momentum step on every int4 state of the lists, in place; the
+    directions (``direction_dtype``, shaped like the grads). Contiguous tensors on one device,
+    one grad dtype, one block size (``grads[i].numel() / scale_codes[i].numel()``, a power of
+    two with 16 blocks to a super-block of at most ``TILE`` elements); ``factors`` and
+    ``midpoints``: :func:`muon_plugin.lp.int4.scale_tables`."""
+    if not grads:
+        return []
+    block = grads[0].numel() // scale_codes[0].numel()
+    layout, meta, aligned = _tables(codes, grads, with_dir=True, extra=[scale_codes, bases])
+    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=grads[0].device)
+    if layout.n_tiles:
+        _grouped_int4_momentum_kernel[(layout.n_tiles,)](
+            meta,
+            layout.tiles,
+            flat,
+            factors,
+            midpoints,
+            1.0 - momentum,
+            momentum,
+            G_TY=_TL_DTYPES[grads[0].dtype],
+            D_TY=_TL_DTYPES[direction_dtype],
+            ALIGNED=aligned,
+            NESTEROV=nesterov,
+            BS=block,
+            SUPERS=TILE // (16 * block),
         )
     return layout.directions(flat)

@@ -278,6 +278,13 @@ class ViewedCodec(MomentumCodec):
         return (self.view(state),)
 
     def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
+        """The format's fused Triton kernel where it applies (one pass, the same math), else
+        :attr:`update_fn`, eager or compiled; the direction in fp32 either way."""
+        if self.fused_applies(state, grad, step.kernels):
+            directions = self.fused_update_(
+                [state], [grad], step.momentum, step.nesterov, torch.float32
+            )
+            return directions[0]
         flat = grad.reshape(-1)
         operands = self.operands(state)
         fn, compiled = self.update_fn, step.compiled

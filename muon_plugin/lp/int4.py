@@ -5,7 +5,8 @@ a bf16 base per super-block of 16 blocks.
 shape[-1] // 2)``), ``momentum_scale_codes`` (uint8, one a block: ``(*shape[:-1], shape[-1] //
 block_size)``) and ``momentum_scale_bases`` (bf16, one a super-block: ``(*shape[:-1], shape[-1]
 // (16 * block_size))``): 0.5 + 1 / 16 + 2 / 256 = 0.5703 bytes per element at the default block
-size 16. Plain torch arithmetic (no torchao).
+size 16. Plain torch arithmetic (no torchao); on CUDA with Triton, the same math as one fused
+kernel for all of a step's int4 momenta (:mod:`muon_plugin.kernels.quantized`).
 
 Each super-block (256 elements at the default) stores a ``base``: its absmax
 rounded up to bf16. Each block stores an 8-bit scale code ``k``: its scale is
@@ -34,13 +35,14 @@ measured and that caveat in numbers: docs/design/muonlp_int4.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from muon_plugin.kernels.quantized import grouped_int4_momentum_, int4_kernel_applies
 from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import BASES_KEY, CODES_KEY, SCALE_CODES_KEY
 from muon_plugin.lp.runtime import table
@@ -237,3 +239,28 @@ class Int4Codec(ViewedCodec):
 
     def operands(self, state: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
         return tuple(self.view(state))
+
+    def fused_applies(
+        self, state: Mapping[str, Tensor], grad: Tensor, kernels: bool | None
+    ) -> bool:
+        return int4_kernel_applies(*(state[k] for k in self.keys), grad, kernels)
+
+    def fused_update_(
+        self,
+        states: Sequence[Mapping[str, Tensor]],
+        grads: Sequence[Tensor],
+        momentum: float,
+        nesterov: bool,
+        direction_dtype: torch.dtype = torch.bfloat16,
+    ) -> list[Tensor]:
+        codes, scale_codes, bases = ([s[k] for s in states] for k in self.keys)
+        tables = scale_tables(grads[0].device)
+        out = grouped_int4_momentum_(
+            codes, scale_codes, bases, grads, tables, momentum, nesterov, direction_dtype
+        )
+        if out is None:  # the kernel failed (one warning): the same math in torch ops
+            out = [
+                self.update_(state, grad, momentum, nesterov, kernels=False).to(direction_dtype)
+                for state, grad in zip(states, grads, strict=True)
+            ]
+        return out

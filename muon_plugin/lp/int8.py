@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from muon_plugin.kernels.quantized import grouped_int8_momentum_, int8_kernel_applies
-from muon_plugin.lp.codec import Layout, MomentumStep, ViewedCodec
+from muon_plugin.lp.codec import Layout, ViewedCodec
 from muon_plugin.lp.keys import CODES_KEY, SCALES_KEY
 from muon_plugin.lp.runtime import table
 
@@ -63,17 +63,6 @@ class Int8Codec(ViewedCodec):
 
     def layout(self, shape: tuple[int, ...]) -> Layout:
         return blocked_layout(shape, self.block_size, torch.uint8)
-
-    def _update(self, state: Mapping[str, Tensor], grad: Tensor, step: MomentumStep) -> Tensor:
-        """The fused Triton kernel where it applies (one pass, torchao's math; see
-        :mod:`muon_plugin.kernels.quantized`), else torchao's ops, eager or compiled; the
-        direction in fp32 either way."""
-        if self.fused_applies(state, grad, step.kernels):
-            directions = self.fused_update_(
-                [state], [grad], step.momentum, step.nesterov, torch.float32
-            )
-            return directions[0]
-        return super()._update(state, grad, step)
 
     def fused_applies(
         self, state: Mapping[str, Tensor], grad: Tensor, kernels: bool | None

@@ -1,0 +1,125 @@
+"""The fused int4 momentum kernel against the torch ops of ``int4_update``, in the Triton
+interpreter.
+
+Run by ``tests/kernels/test_quantized_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (it
+must be set before triton is imported); prints ``OK``. Several steps of Int4Codec's update, once
+through the kernel and once through the torch ops, on the same gradients (rows of very different
+sizes and all-zero rows, so every scale code from 0 to 255 can occur): bases, scale codes,
+codes and directions agree, except where the CPU reference's lerp (rounded without fused
+multiply-adds) puts a value an ulp across a cell edge: such an element takes the neighbouring
+code, and a block whose absmax moves across a scale-code boundary the neighbouring scale code.
+One launch over momenta of several shapes equals each momentum's own launch bit for bit.
+Importing this module runs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from interpreter_rounding import round_casts_to_nearest_even
+
+from muon_plugin.kernels.quantized import int4_kernel_applies
+from muon_plugin.lp import Int4Codec
+from muon_plugin.lp.int4 import unpack_int4
+from muon_plugin.lp.keys import BASES_KEY, CODES_KEY, SCALE_CODES_KEY
+
+
+def gradient(shape, step: int, grad_dtype: torch.dtype) -> torch.Tensor:
+    """Rows from 1e-6 to 1e2, one all-zero row, smaller every step."""
+    rows = shape[-2] if len(shape) > 1 else 1
+    size = 10.0 ** torch.linspace(-6, 2, rows).view(rows, 1)
+    g = torch.randn(shape) * size * 10.0**-step
+    g.view(-1, shape[-1])[0] = 0.0
+    return g.to(grad_dtype)
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor, what: str, where: str) -> int:
+    diff = (a.int() - b.int()).abs()
+    assert diff.max() <= 1, (what, where, diff.max().item())
+    return int((diff > 0).sum())
+
+
+def steps(codec: Int4Codec, shape, grad_dtype, nesterov: bool, stacked: bool) -> None:
+    torch.manual_seed(hash((shape, str(grad_dtype), nesterov)) % 2**31)
+    fused, eager = codec.zeros(torch.empty(shape)), codec.zeros(torch.empty(shape))
+    for step in range(4):
+        grad = gradient(shape, step, grad_dtype)
+        assert codec.fused_applies(fused, grad, True)
+        d_fused = codec.update_(fused, grad, 0.95, nesterov, kernels=True, stacked=stacked)
+        d_eager = codec.update_(eager, grad, 0.95, nesterov, kernels=False, stacked=stacked)
+        where = f"{shape} block {codec.block_size} {grad_dtype} nesterov={nesterov} step {step}"
+        assert d_fused.dtype == torch.float32 and d_fused.shape == grad.shape, where
+        scale = d_eager.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        err = ((d_fused - d_eager).abs() / scale).max().item()
+        assert err <= 4 * torch.finfo(torch.float32).eps, ("direction", where, err)
+        assert torch.equal(fused[BASES_KEY], eager[BASES_KEY]), where
+        bad_scales = mismatches(fused[SCALE_CODES_KEY], eager[SCALE_CODES_KEY], "scales", where)
+        codes = [unpack_int4(s[CODES_KEY].reshape(-1)) for s in (fused, eager)]
+        bad_codes = mismatches(*codes, "codes", where)
+        assert bad_scales <= 1 and bad_codes <= max(2, codes[0].numel() // 5_000), (
+            where, bad_scales, bad_codes,
+        )  # fmt: skip
+        if step == 3:  # the sizes above reach both ends of the scale codes
+            k = eager[SCALE_CODES_KEY]
+            assert (k == 255).any() and (k == 0).any() and (k > 200).any(), where
+        for key in codec.keys:  # the next step starts from equal states
+            fused[key].copy_(eager[key])
+
+
+def grouped(block: int, shapes, grad_dtype, nesterov: bool) -> None:
+    """One launch over momenta of several shapes equals each momentum's own launch bit for
+    bit (states), with the direction rounded once to bf16."""
+    codec = Int4Codec(block)
+    torch.manual_seed(len(shapes) + block)
+    together = [codec.zeros(torch.empty(s)) for s in shapes]
+    alone = [codec.zeros(torch.empty(s)) for s in shapes]
+    for step in range(3):
+        grads = [gradient(s, step, grad_dtype) for s in shapes]
+        assert all(codec.fused_applies(st, g, True) for st, g in zip(together, grads, strict=True))
+        d_together = codec.fused_update_(together, grads, 0.9, nesterov)
+        for i, (state, grad) in enumerate(zip(alone, grads, strict=True)):
+            d_alone = codec.update_(state, grad, 0.9, nesterov, kernels=True)
+            where = f"grouped {shapes[i]} {grad_dtype} nesterov={nesterov} step {step}"
+            assert d_together[i].dtype == torch.bfloat16 and d_together[i].shape == grad.shape
+            assert torch.equal(d_together[i], d_alone.to(torch.bfloat16)), where
+            for key in codec.keys:
+                assert torch.equal(together[i][key], state[key]), (key, where)
+
+
+def refused() -> None:
+    """What the kernel does not take goes to the torch ops."""
+    codec = Int4Codec(16)
+    state = codec.zeros(torch.empty(8, 512))
+    keys = [state[k] for k in codec.keys]
+    assert int4_kernel_applies(*keys, torch.zeros(8, 512), True)
+    assert not int4_kernel_applies(*keys, torch.zeros(8, 512), False)  # kernels off
+    assert not int4_kernel_applies(*keys, torch.zeros(8, 1024)[:, :512], True)  # not contiguous
+    assert not int4_kernel_applies(*keys, torch.zeros(8, 512, dtype=torch.float64), True)
+    assert not int4_kernel_applies(*keys, torch.zeros(8, 256), True)  # another size
+    odd = Int4Codec(6).zeros(torch.empty(4, 192))  # block 6: not a power of two
+    assert not int4_kernel_applies(*(odd[k] for k in codec.keys), torch.zeros(4, 192), True)
+    big = Int4Codec(512).zeros(torch.empty(1, 8192))  # a super-block beyond one program's tile
+    assert not int4_kernel_applies(*(big[k] for k in codec.keys), torch.zeros(1, 8192), True)
+
+
+def main() -> None:
+    round_casts_to_nearest_even()  # bf16 directions round as on the GPU
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        for nesterov in (True, False):
+            # shapes of one launch: a tile cut mid-tensor, a 3-D stack, one short tile
+            grouped(16, [(24, 512), (2, 3, 768), (5, 256), (24, 512)], grad_dtype, nesterov)
+        grouped(256, [(3, 4096), (1, 8192)], grad_dtype, True)
+    for block, shape, stacked in [
+        (16, (64, 512), False),
+        (8, (3, 40, 256), True),  # a stack: leading dim of same-shape parameters
+        (256, (4, 4096), False),  # one super-block per program
+        (2, (16, 96), False),  # 128 super-blocks per program, a partial tile
+    ]:
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            for nesterov in (True, False):
+                steps(Int4Codec(block), shape, grad_dtype, nesterov, stacked)
+    refused()
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
