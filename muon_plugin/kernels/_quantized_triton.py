@@ -129,22 +129,40 @@ def grouped_int8_momentum(
     if not grads:
         return []
     block = codes[0].numel() // scales[0].numel()
-    layout, meta, aligned = _tables(grads, codes, with_dir=True, extra=[scales])
-    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=codes[0].device)
+    tables = _tables(grads, codes, with_dir=True, extra=[scales])
+    return _launch(
+        _grouped_int8_momentum_kernel, tables, (qmap,), grads, momentum, nesterov,
+        direction_dtype, BS=block, ROWS=TILE // block,
+    )  # fmt: skip
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    tables: tuple,
+    operands: tuple[torch.Tensor, ...],
+    grads: Sequence[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    direction_dtype: torch.dtype,
+    **sizes: int,
+) -> list[torch.Tensor]:
+    """One grouped momentum launch over ``tables`` (``_tables``' layout, meta table and
+    alignment), the kernel's lookup ``operands`` after the directions' buffer; the directions."""
+    layout, meta, aligned = tables
+    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=grads[0].device)
     if layout.n_tiles:
-        _grouped_int8_momentum_kernel[(layout.n_tiles,)](
+        kernel[(layout.n_tiles,)](
             meta,
             layout.tiles,
             flat,
-            qmap,
+            *operands,
             1.0 - momentum,
             momentum,
             G_TY=_TL_DTYPES[grads[0].dtype],
             D_TY=_TL_DTYPES[direction_dtype],
             ALIGNED=aligned,
             NESTEROV=nesterov,
-            BS=block,
-            ROWS=TILE // block,
+            **sizes,
         )
     return layout.directions(flat)
 
@@ -255,22 +273,8 @@ def grouped_int4_momentum(
     if not grads:
         return []
     block = grads[0].numel() // scale_codes[0].numel()
-    layout, meta, aligned = _tables(codes, grads, with_dir=True, extra=[scale_codes, bases])
-    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=grads[0].device)
-    if layout.n_tiles:
-        _grouped_int4_momentum_kernel[(layout.n_tiles,)](
-            meta,
-            layout.tiles,
-            flat,
-            factors,
-            midpoints,
-            1.0 - momentum,
-            momentum,
-            G_TY=_TL_DTYPES[grads[0].dtype],
-            D_TY=_TL_DTYPES[direction_dtype],
-            ALIGNED=aligned,
-            NESTEROV=nesterov,
-            BS=block,
-            SUPERS=TILE // (16 * block),
-        )
-    return layout.directions(flat)
+    tables = _tables(codes, grads, with_dir=True, extra=[scale_codes, bases])
+    return _launch(
+        _grouped_int4_momentum_kernel, tables, (factors, midpoints), grads, momentum, nesterov,
+        direction_dtype, BS=block, SUPERS=TILE // (16 * block),
+    )  # fmt: skip

@@ -43,15 +43,18 @@ def steps(codec: Int8Codec, shape, grad_dtype, nesterov: bool, stacked: bool) ->
         fused[SCALES_KEY].copy_(eager[SCALES_KEY])
 
 
-def grouped(block: int, shapes, grad_dtype, nesterov: bool) -> None:
+def grouped(codec, shapes, grad_dtype, nesterov: bool, gradient=None) -> None:
     """One launch over momenta of several shapes equals each momentum's own launch bit for
-    bit (states), with the direction rounded once to bf16."""
-    codec = Int8Codec(block)
-    torch.manual_seed(len(shapes) + block)
+    bit (states), with the direction rounded once to bf16. ``gradient(shape, step)``: the
+    step's gradient (default: Gaussian, smaller every step)."""
+    torch.manual_seed(len(shapes) + codec.block_size)
     together = [codec.zeros(torch.empty(s)) for s in shapes]
     alone = [codec.zeros(torch.empty(s)) for s in shapes]
     for step in range(3):
-        grads = [(torch.randn(s) * 3.0**-step).to(grad_dtype) for s in shapes]
+        grads = [
+            (gradient(s, step) if gradient else torch.randn(s) * 3.0**-step).to(grad_dtype)
+            for s in shapes
+        ]
         assert all(codec.fused_applies(st, g, True) for st, g in zip(together, grads, strict=True))
         d_together = codec.fused_update_(together, grads, 0.9, nesterov)
         for i, (state, grad) in enumerate(zip(alone, grads, strict=True)):
@@ -68,8 +71,9 @@ def main() -> None:
     for grad_dtype in (torch.float32, torch.bfloat16):
         for nesterov in (True, False):
             # shapes of one launch: a tile cut mid-tensor, a 3-D stack, one short tile
-            grouped(256, [(24, 512), (2, 3, 768), (5, 256), (24, 512)], grad_dtype, nesterov)
-        grouped(4096, [(3, 4096), (1, 8192)], grad_dtype, True)
+            shapes = [(24, 512), (2, 3, 768), (5, 256), (24, 512)]
+            grouped(Int8Codec(256), shapes, grad_dtype, nesterov)
+        grouped(Int8Codec(4096), [(3, 4096), (1, 8192)], grad_dtype, True)
 
     for block, shape, stacked in [
         (256, (64, 512), False),
