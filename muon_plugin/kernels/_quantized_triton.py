@@ -167,7 +167,7 @@ def _launch(
     return layout.directions(flat)
 
 
-_TINY = 1.1754943508222875e-38
+_TINY = tl.constexpr(1.1754943508222875e-38)
 """``torch.finfo(torch.float32).tiny``: the least divisor of a block scale (an all-zero block)."""
 
 

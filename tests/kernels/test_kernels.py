@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+@pytest.mark.interpreter
 def test_kernel_matches_reference_in_interpreter():
     proc = run_in_interpreter("kernel_interpreter_symmetric.py")
     assert proc.returncode == 0, proc.stderr[-4000:]

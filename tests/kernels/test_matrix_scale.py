@@ -20,6 +20,7 @@ cuda = pytest.mark.skipif(
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+@pytest.mark.interpreter
 def test_scale_kernel_matches_torch_in_the_interpreter():
     res = run_in_interpreter("kernel_interpreter_scale.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

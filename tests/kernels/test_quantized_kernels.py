@@ -23,6 +23,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 
 
 @needs_triton
+@pytest.mark.interpreter
 def test_int8_momentum_kernel_matches_torchao_ops():
     pytest.importorskip("torchao")
     res = run_in_interpreter("kernel_interpreter_quantized.py")
@@ -30,6 +31,7 @@ def test_int8_momentum_kernel_matches_torchao_ops():
 
 
 @needs_triton
+@pytest.mark.interpreter
 def test_int4_momentum_kernel_matches_the_torch_ops():
     res = run_in_interpreter("kernel_interpreter_int4.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -19,6 +19,7 @@ from muon_plugin.orthogonalize.spec import RowNormalization
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+@pytest.mark.interpreter
 def test_row_factor_kernel_matches_torch_in_the_interpreter():
     res = run_in_interpreter("kernel_interpreter_row_factors.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
