@@ -165,6 +165,25 @@ def test_summary_counts_the_compiled_row_and_cpu_only_skips(tmp_path: Path) -> N
     assert not one_gpu_summary.summary(tmp_path)[1]
 
 
+def test_a_kernel_that_fell_back_to_torch_ops_fails_its_phase(tmp_path: Path) -> None:
+    """Its results stay right (the torch ops take over after one warning), so the benchmark
+    prints every number; the check of a GPU machine names the kernel and fails."""
+    (tmp_path / "phases.tsv").write_text("bench\t0\t90\t200\n")
+    write_bench(
+        tmp_path / "bench1.json", [{"section": "step", "workload": "w", "name": "A", "ms": 1.0}]
+    )
+    assert one_gpu_summary.summary(tmp_path)[1]
+    warning = (
+        "momentum.py:135: UserWarning: muon_plugin: the int4 momentum kernel failed "
+        "(CompilationError: at 43:8: ...); using torch ops instead (same results)\n"
+    )
+    (tmp_path / "bench1.log").write_text(warning * 2)
+    text, ok = one_gpu_summary.summary(tmp_path)
+    assert not ok and "  bench    FAIL" in text
+    line = "KERNEL FELL BACK TO TORCH OPS: the int4 momentum kernel (CompilationError, bench1.log)"
+    assert text.count(line) == 1, text
+
+
 def test_the_spectrum_and_stability_phases_check_every_backend(tmp_path: Path) -> None:
     """The spectrum and stability phases (not default ones) in SMOKE mode: update_spectrum.py on
     the CPU at small sizes, PASS, its rows for every backend kept in spectrum.json; the
