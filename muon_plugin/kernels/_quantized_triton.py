@@ -18,7 +18,7 @@ momentum)`` (Nesterov) or ``buf``, in fp32 or rounded once to bf16.
 **int4.** Packed 4-bit mid-rise codes, an 8-bit scale code per block of ``BS`` elements and a
 bf16 base per super-block of 16 blocks; a program takes ``SUPERS`` whole super-blocks of one
 tensor (``TILE`` elements), reading grad, codes, scale codes and bases once and writing them and
-the direction once (7.6 bytes per element with an fp32 grad and a bf16 direction). The math is
+the direction once (7.1 bytes per element with an fp32 grad and a bf16 direction). The math is
 :func:`muon_plugin.lp.int4.int4_update`'s, operation for operation: the block scale ``base *
 factors[code]`` (a table lookup), the value ``(code - 7.5) * (scale * 0.125)``, Muon's lerp, the
 super-block's base (its absmax rounded up to bf16 on the bits), each block's scale code (the

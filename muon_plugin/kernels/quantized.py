@@ -6,9 +6,10 @@ a scale code per block and a bf16 base per super-block (:mod:`muon_plugin.lp.int
 can take the kernel (Triton enabled, one CUDA device, contiguous, a grad dtype the kernel reads,
 a power-of-two block size the kernel tiles); :func:`grouped_int8_momentum_` and
 :func:`grouped_int4_momentum_` run it on a whole list of such momenta in one launch, whatever
-their shapes. Whether kernels may run at all is the
-orthogonalization backend's call, passed as ``enabled`` (None: ``MUON_PLUGIN_DISABLE_TRITON``
-decides, read at the call), as for :mod:`muon_plugin.kernels.elementwise`.
+their shapes. Whether kernels may run at all is the orthogonalization backend's call, passed
+as ``enabled`` (None: ``MUON_PLUGIN_DISABLE_TRITON`` decides, read at the call), as for
+:mod:`muon_plugin.kernels.elementwise`. A kernel that fails to build or launch warns once and
+says no from then on; the caller runs the torch ops (:mod:`muon_plugin.kernels.fallback`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import os
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,6 +31,7 @@ MAX_BLOCK = 4096
 MAX_INT4_BLOCK = 256
 """Largest int4 block size the kernel takes (one super-block of 16 blocks per program)."""
 
+_int8_fallback = KernelFallback("int8 momentum kernel")
 _int4_fallback = KernelFallback("int4 momentum kernel")
 
 
@@ -73,7 +76,7 @@ def int8_kernel_applies(
     CPU tensors qualify only under ``TRITON_INTERPRET=1`` (Triton's interpreter).
     """
     n, n_blocks = codes.numel(), scales.numel()
-    if not _kernels_allowed(enabled) or not n_blocks or n != grad.numel():
+    if not _kernels_allowed(enabled) or not n_blocks or n != grad.numel() or _int8_fallback.failed:
         return False
     block = n // n_blocks
     return (
@@ -118,15 +121,20 @@ def grouped_int8_momentum_(
     momentum: float,
     nesterov: bool,
     direction_dtype: torch.dtype = torch.bfloat16,
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor] | None:
     """Muon's momentum step on int8 states (``codes[i]`` uint8, ``scales[i]`` fp32 a block,
     ``qmap`` the 256 fp32 levels) in place, all in one launch; returns the directions in
     ``direction_dtype`` (bf16, the dtype orthogonalization runs in, or fp32), shaped like the
     grads. Every triple must satisfy :func:`int8_kernel_applies`, with one device, one grad
-    dtype and one block size across the lists."""
-    return _module().grouped_int8_momentum(
-        codes, scales, grads, qmap, momentum, nesterov, direction_dtype
-    )
+    dtype and one block size across the lists. None if the kernel failed to build or launch
+    (as for :func:`grouped_int4_momentum_`)."""
+    args = (codes, scales, grads, qmap, momentum, nesterov, direction_dtype)
+    return _launched(_int8_fallback, _module().grouped_int8_momentum, args)
+
+
+def _launched(fallback: KernelFallback, launch: Any, args: tuple) -> list[torch.Tensor] | None:
+    out = fallback.run(launch, *args)
+    return None if out is FAILED else out
 
 
 def grouped_int4_momentum_(
@@ -148,5 +156,4 @@ def grouped_int4_momentum_(
     warning :func:`int4_kernel_applies` is False from then on, and the caller runs the torch
     ops)."""
     args = (codes, scale_codes, bases, grads, *tables, momentum, nesterov, direction_dtype)
-    out = _int4_fallback.run(_module().grouped_int4_momentum, *args)
-    return None if out is FAILED else out
+    return _launched(_int4_fallback, _module().grouped_int4_momentum, args)

@@ -225,7 +225,25 @@ class MomentumCodec(ABC):
     ) -> list[Tensor]:
         """:meth:`update_` for momenta of any shapes that :meth:`fused_applies` takes (one
         device, one grad dtype), in one launch; the directions in ``direction_dtype`` (bf16:
-        what orthogonalization rounds them to anyway)."""
+        what orthogonalization rounds them to anyway). If the kernel fails to build or launch
+        (it warns once, then :meth:`fused_applies` says no), the torch ops give the same."""
+        out = self._fused_launch(states, grads, momentum, nesterov, direction_dtype)
+        if out is None:
+            out = [
+                self.update_(state, grad, momentum, nesterov, kernels=False).to(direction_dtype)
+                for state, grad in zip(states, grads, strict=True)
+            ]
+        return out
+
+    def _fused_launch(
+        self,
+        states: Sequence[Mapping[str, Tensor]],
+        grads: Sequence[Tensor],
+        momentum: float,
+        nesterov: bool,
+        direction_dtype: torch.dtype,
+    ) -> list[Tensor] | None:
+        """This format's fused kernel on the lists (None: it failed, nothing was updated)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused kernel")
 
     def update_batch_(

@@ -245,22 +245,16 @@ class Int4Codec(ViewedCodec):
     ) -> bool:
         return int4_kernel_applies(*(state[k] for k in self.keys), grad, kernels)
 
-    def fused_update_(
+    def _fused_launch(
         self,
         states: Sequence[Mapping[str, Tensor]],
         grads: Sequence[Tensor],
         momentum: float,
         nesterov: bool,
-        direction_dtype: torch.dtype = torch.bfloat16,
-    ) -> list[Tensor]:
+        direction_dtype: torch.dtype,
+    ) -> list[Tensor] | None:
         codes, scale_codes, bases = ([s[k] for s in states] for k in self.keys)
         tables = scale_tables(grads[0].device)
-        out = grouped_int4_momentum_(
+        return grouped_int4_momentum_(
             codes, scale_codes, bases, grads, tables, momentum, nesterov, direction_dtype
         )
-        if out is None:  # the kernel failed (one warning): the same math in torch ops
-            out = [
-                self.update_(state, grad, momentum, nesterov, kernels=False).to(direction_dtype)
-                for state, grad in zip(states, grads, strict=True)
-            ]
-        return out

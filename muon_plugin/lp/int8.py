@@ -69,14 +69,14 @@ class Int8Codec(ViewedCodec):
     ) -> bool:
         return int8_kernel_applies(state[CODES_KEY], state[SCALES_KEY], grad, kernels)
 
-    def fused_update_(
+    def _fused_launch(
         self,
         states: Sequence[Mapping[str, Tensor]],
         grads: Sequence[Tensor],
         momentum: float,
         nesterov: bool,
-        direction_dtype: torch.dtype = torch.bfloat16,
-    ) -> list[Tensor]:
+        direction_dtype: torch.dtype,
+    ) -> list[Tensor] | None:
         codes = [s[CODES_KEY] for s in states]
         scales = [s[SCALES_KEY] for s in states]
         qmap = table("int8", _signed_qmap, codes[0].device)

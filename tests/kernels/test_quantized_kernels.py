@@ -121,7 +121,8 @@ def test_one_fused_launch_over_many_shapes_on_the_gpu(kind):
                 assert torch.equal(together[i][key], state[key]), (shapes[i], step, key)
 
 
-def test_a_failed_int4_kernel_warns_once_and_the_torch_ops_take_over(monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_failed_kernel_warns_once_and_the_torch_ops_take_over(monkeypatch, kind):
     """A kernel that fails to build or launch (an unsupported GPU or Triton) costs speed, not a
     step: one warning, the same results from the torch ops, and no further attempt."""
     from types import SimpleNamespace
@@ -129,23 +130,28 @@ def test_a_failed_int4_kernel_warns_once_and_the_torch_ops_take_over(monkeypatch
     from muon_plugin.kernels import quantized
     from muon_plugin.kernels.fallback import KernelFallback
 
+    if kind == "int8":
+        pytest.importorskip("torchao")
+    codec = Int8Codec(256) if kind == "int8" else Int4Codec(16)
+
     def broken(*args):
         raise RuntimeError("no kernel image for this GPU")
 
-    monkeypatch.setattr(quantized, "_int4_fallback", KernelFallback("int4 momentum kernel"))
-    monkeypatch.setattr(quantized, "_module", lambda: SimpleNamespace(grouped_int4_momentum=broken))
-    codec = Int4Codec(16)
+    fallback = KernelFallback(f"{kind} momentum kernel")
+    monkeypatch.setattr(quantized, f"_{kind}_fallback", fallback)
+    module = SimpleNamespace(**{f"grouped_{kind}_momentum": broken})
+    monkeypatch.setattr(quantized, "_module", lambda: module)
     torch.manual_seed(0)
     grads = [torch.randn(8, 512), torch.randn(4, 256)]
     fused = [codec.zeros(torch.empty(g.shape)) for g in grads]
     eager = [codec.zeros(torch.empty(g.shape)) for g in grads]
-    with pytest.warns(UserWarning, match="int4 momentum kernel failed .*no kernel image"):
+    with pytest.warns(UserWarning, match=f"{kind} momentum kernel failed .*no kernel image"):
         directions = codec.fused_update_(fused, grads, 0.9, True)
     for state, ref_state, grad, direction in zip(fused, eager, grads, directions, strict=True):
         expected = codec.update_(ref_state, grad, 0.9, True, kernels=False)
         assert torch.equal(direction, expected.to(torch.bfloat16))
         for key in codec.keys:
             assert torch.equal(state[key], ref_state[key]), key
-    assert quantized._int4_fallback.failed
+    assert fallback.failed
     monkeypatch.setattr(quantized, "_INTERPRETED", True)  # CPU tensors would otherwise qualify
-    assert not int4_kernel_applies(*fused[0].values(), grads[0], True)
+    assert not codec.fused_applies(fused[0], grads[0], True)
