@@ -6,7 +6,9 @@ Builds one of ``benchmark.py``'s workloads (``scripts/bench/workloads.py``; fp32
 grads), warms the optimizer up, then profiles ``--steps`` steps and prints, per step: the wall
 time (CUDA events), the time some kernel was running on the GPU (the union of kernel intervals:
 the rest is the GPU waiting for the host or for a dependency), the summed kernel time over all
-streams, the kernel count, and the kernels grouped by name with their share. ``--trace`` also
+streams, the kernel count, and the kernels grouped by name with their share. Before profiling,
+the host's time in ``step()`` (until it returns, the GPU not waited for) beside the step's wall
+time, unprofiled: where the two are close, the step is bound by the host. ``--trace`` also
 writes a Chrome trace.
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -32,6 +36,10 @@ OPTIMIZERS = {
     "foreach": lambda ps: MuonForeach(ps, lr=LR, wd=WD),
     "normuon": lambda ps: MuonForeach(ps, lr=LR, wd=WD, normalization="normuon"),
     "lp-int8": lambda ps: MuonLP(ps, lr=LR, wd=WD, state_dtype="int8"),
+    "lp-int4": lambda ps: MuonLP(ps, lr=LR, wd=WD, state_dtype="int4"),
+    "turbo": lambda ps: MuonForeach(
+        ps, lr=LR, wd=WD, orthogonalization_strategy="turbo_muon", ns_steps=4
+    ),
 }
 
 
@@ -46,6 +54,22 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
+
+
+def host_and_wall_ms(opt: torch.optim.Optimizer, steps: int) -> tuple[list[float], list[float]]:
+    """Per step: the host's time until ``step()`` returns, and the wall time until the GPU is
+    done (the GPU idle before each step, so the host's time is not hidden behind earlier work)."""
+    host, wall = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return host, wall
 
 
 def kernel_events(prof: torch.profiler.profile) -> list:
@@ -111,6 +135,7 @@ def main() -> None:
     for _ in range(args.warmup):
         opt.step()
     torch.cuda.synchronize()
+    host, timed = host_and_wall_ms(opt, args.steps)
     wall = []
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
@@ -122,6 +147,10 @@ def main() -> None:
             b.synchronize()
             wall.append(a.elapsed_time(b))
     print(f"{args.workload}, {args.optimizer}, env {args.env or 'default'}")
+    print(
+        f"unprofiled, median of {args.steps} steps: host in step() {median(host):.3f} ms, "
+        f"wall {median(timed):.3f} ms (host / wall {median(host) / median(timed):.2f})"
+    )
     print(report(prof, args.steps, wall, args.top))
     if args.trace:
         prof.export_chrome_trace(str(args.trace))

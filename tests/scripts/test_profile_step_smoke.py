@@ -56,14 +56,14 @@ def test_every_optimizer_choice_builds_and_steps():
     """Each ``--optimizer`` choice builds on parameters shaped like the workloads' and steps
     (on the CPU here; the script profiles them on a GPU); NorMuon keeps its per-row state."""
     script = load_script()
-    assert set(script.OPTIMIZERS) == {"foreach", "normuon", "lp-int8"}
+    assert set(script.OPTIMIZERS) == {"foreach", "normuon", "lp-int8", "lp-int4", "turbo"}
     for name, build in script.OPTIMIZERS.items():
         if name == "lp-int8":
             try:
                 import torchao  # noqa: F401
             except ImportError:
                 continue
-        params = [torch.nn.Parameter(torch.randn(48, 32)) for _ in range(2)]
+        params = [torch.nn.Parameter(torch.randn(48, 256)) for _ in range(2)]  # int4: 256 cols
         opt = build(params)
         for p in params:
             p.grad = torch.randn_like(p)
