@@ -61,6 +61,12 @@ else
     MERGE_ARGS=()
 fi
 [[ -n "${WORKLOADS:-}" ]] && BENCH_ARGS+=(--workloads "$WORKLOADS")
+# Which code ran, whatever the checkout's git metadata says: a digest of the tracked-kind files
+# under muon_plugin/ and scripts/ (the same command on another machine gives the same digest).
+source_digest() {
+    find muon_plugin scripts -type f \( -name '*.py' -o -name '*.sh' -o -name '*.json' \) \
+        -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-12
+}
 # What this script's own commands need (train.sh gets the caller's environment as it is).
 run_py() { PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 
@@ -70,7 +76,9 @@ try:
 except ImportError:
     tv = "not importable"
 print("torch", torch.__version__, "| triton", tv, "| Python", sys.version.split()[0])'
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"; } >"$OUT/machine.txt" 2>&1
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
+      [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] && echo " + local changes")"
+  echo "sources $(source_digest)"; } >"$OUT/machine.txt" 2>&1
 echo "run_one_gpu: phases: $PHASES, out: $OUT, within $TOTAL_S s"
 : >"$OUT/phases.tsv"
 START=$SECONDS

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,8 +96,12 @@ def test_smoke_runs_every_default_phase_and_sums_up(smoke) -> None:
     assert summary in proc.stdout
     lines = summary.splitlines()
     status = {ln.split()[0]: ln.split()[1] for ln in lines if ln.startswith("  ") and ln[2] != " "}
-    assert status == {"machine:": "commit", "tests": "PASS", "train": "PASS", "bench": "PASS"}
+    assert status == {"machine:": "sources", "tests": "PASS", "train": "PASS", "bench": "PASS"}
     assert any(ln.startswith("  machine: torch ") for ln in lines)
+    # Which code ran: the commit, and a digest of the sources that does not rely on git.
+    assert any(ln.startswith("  machine: commit ") for ln in lines)
+    digest = next(ln.split()[-1] for ln in lines if ln.startswith("  machine: sources "))
+    assert re.fullmatch("[0-9a-f]{12}", digest)
     assert "           1 passed in " in summary
     assert f"log: {out}/train.log, run logs: train_logs/" in summary
     assert list((out / "train_logs").glob("ranks/**/stdout.log"))
