@@ -76,8 +76,8 @@ done
 ticker=$!
 
 status=0
-echo "[test] $venv/bin/python -m pytest $*"
-"$venv/bin/python" -m pytest "$@" || status=$?
+echo "[test] $venv/bin/python -m pytest --durations=20 $*"
+"$venv/bin/python" -m pytest --durations=20 "$@" || status=$?
 
 for entry in "${extra_envs[@]}"; do
     read -r name _ _ _ <<<"$entry"

@@ -17,6 +17,7 @@ from muon_plugin.kernels.elementwise import kernel_groups
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+@pytest.mark.interpreter
 def test_grouped_elementwise_kernels_match_foreach_math():
     res = run_in_interpreter("kernel_interpreter_elementwise.py")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -227,6 +227,7 @@ def test_option_schema_and_build_summary():
         MuonConfig(orthogonalization="turbo")
 
 
+@pytest.mark.interpreter
 def test_kernel_path_in_the_triton_interpreter():
     """The real symmetric kernel (interpreted) on the x-space and Gram-space kernel paths:
     as close to the fp64 map as the emulation, and close to the emulated result."""
