@@ -9,14 +9,14 @@
 #          NorMuon on the GPU paths, every backend against the plain loop through the step,
 #          QK-Clip's FlexAttention max-logit path against the chunked one; the kernels' checks
 #          in Triton's interpreter are left out, they are CPU tests):
-#          tests.log                                                              TESTS_S (300)
+#          tests.log                                                              TESTS_S (330)
 # train    PYTHON=$PYTHON bash scripts/train.sh configs/llama3_debug_muon.toml, the main job
 #          with no other variable set (TRAIN_ARGS: overrides to add): train.log, and the
 #          run's own log folder copied to train_logs/                             TRAIN_S (90)
 # bench    benchmark.py --no-compile, every section (SECTIONS to change) and every row but the
 #          peers' (ROWS to change), REPEATS runs (default 1), each in its own process and
 #          starting no step row once BENCH_S - 60 s have passed; bench<N>.json and .log, then
-#          every run of $OUT (earlier calls' too) merged: bench.json, bench.txt   BENCH_S (200)
+#          every run of $OUT (earlier calls' too) merged: bench.json, bench.txt   BENCH_S (170)
 # compile  the MuonForeach(compile=True) row on GPT-125M (inductor: minutes): compile.json,
 #          compile.log                                                          COMPILE_S (300)
 # peers    the peers' rows alone (dion, gram-newton-schulz; their first steps autotune for
@@ -85,9 +85,9 @@ START=$SECONDS
 
 for phase in $PHASES; do
     case "$phase" in
-    tests) budget="${TESTS_S:-300}" ;;
+    tests) budget="${TESTS_S:-330}" ;;
     train) budget="${TRAIN_S:-90}" ;;
-    bench) budget="${BENCH_S:-200}" ;;
+    bench) budget="${BENCH_S:-170}" ;;
     compile) budget="${COMPILE_S:-300}" ;;
     peers) budget="${PEERS_S:-500}" ;;
     spectrum) budget="${SPECTRUM_S:-200}" ;;
