@@ -9,7 +9,8 @@ codes and directions agree, except where the CPU reference's lerp (rounded witho
 multiply-adds) puts a value an ulp across a cell edge: such an element takes the neighbouring
 code, and a block whose absmax moves across a scale-code boundary the neighbouring scale code.
 One launch over momenta of several shapes equals each momentum's own launch bit for bit
-(``kernel_interpreter_quantized.grouped``).
+(``kernel_interpreter_quantized.grouped``), and MuonLP's step launches it once for all of its int4
+momenta, whose states follow the torch ops'.
 Importing this module runs nothing.
 """
 
@@ -67,6 +68,51 @@ def steps(codec: Int4Codec, shape, grad_dtype, nesterov: bool, stacked: bool) ->
             fused[key].copy_(eager[key])
 
 
+def through_the_optimizer() -> None:
+    """MuonLP's step takes the kernel for all of its int4 momenta at once (one launch a step),
+    and its momentum states follow the torch ops' (the kernel refused, the rest of the step
+    alike): a momentum depends on the gradients only, so after three steps the states agree as
+    in ``steps`` (bases equal, codes within one level). The parameters are not compared: a
+    direction an ulp apart (the CPU reference's lerp without fused multiply-adds) rounds to
+    another bf16 value now and then, which the bf16 orthogonalization turns into differences of
+    its own rounding noise."""
+    from muon_plugin import MuonLP
+    from muon_plugin.lp import int4 as int4_module
+
+    launch, applies = int4_module.grouped_int4_momentum_, int4_module.int4_kernel_applies
+    launches: list[int] = []
+
+    def counted(codes, *args):
+        launches.append(len(codes))
+        return launch(codes, *args)
+
+    shapes = [(64, 256), (32, 512), (64, 256)]
+    runs = []
+    for kernel in (True, False):
+        int4_module.grouped_int4_momentum_ = counted
+        int4_module.int4_kernel_applies = applies if kernel else (lambda *args: False)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = MuonLP([{"params": params}], lr=0.02, state_dtype="int4")
+        for step in range(3):
+            torch.manual_seed(step)
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        runs.append((params, opt))
+    int4_module.grouped_int4_momentum_, int4_module.int4_kernel_applies = launch, applies
+    assert launches == [3, 3, 3], launches  # the kernel's run only, one launch a step
+    (fused, fused_opt), (eager, eager_opt) = runs
+    for a, b in zip(fused, eager, strict=True):
+        where = f"through the optimizer, {tuple(a.shape)}"
+        assert torch.isfinite(a).all(), where
+        state, ref = fused_opt.state[a], eager_opt.state[b]
+        assert torch.equal(state[BASES_KEY], ref[BASES_KEY]), where
+        assert mismatches(state[SCALE_CODES_KEY], ref[SCALE_CODES_KEY], "scales", where) <= 1
+        codes = [unpack_int4(t[CODES_KEY].reshape(-1)) for t in (state, ref)]
+        assert mismatches(*codes, "codes", where) <= max(2, codes[0].numel() // 5_000), where
+
+
 def refused() -> None:
     """What the kernel does not take goes to the torch ops."""
     codec = Int4Codec(16)
@@ -100,6 +146,7 @@ def main() -> None:
         for grad_dtype in (torch.float32, torch.bfloat16):
             for nesterov in (True, False):
                 steps(Int4Codec(block), shape, grad_dtype, nesterov, stacked)
+    through_the_optimizer()
     refused()
     print("OK")
 
