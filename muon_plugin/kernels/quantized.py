@@ -18,7 +18,6 @@ import functools
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -129,11 +128,13 @@ def grouped_int8_momentum_(
     dtype and one block size across the lists. None if the kernel failed to build or launch
     (as for :func:`grouped_int4_momentum_`)."""
     args = (codes, scales, grads, qmap, momentum, nesterov, direction_dtype)
-    return _launched(_int8_fallback, _module().grouped_int8_momentum, args)
+    return _launched(_int8_fallback, "grouped_int8_momentum", args)
 
 
-def _launched(fallback: KernelFallback, launch: Any, args: tuple) -> list[torch.Tensor] | None:
-    out = fallback.run(launch, *args)
+def _launched(fallback: KernelFallback, launcher: str, args: tuple) -> list[torch.Tensor] | None:
+    """The Triton module's ``launcher(*args)``, or None if importing that module (it builds
+    Triton objects at import), building the kernel or launching it failed."""
+    out = fallback.run(lambda: getattr(_module(), launcher)(*args))
     return None if out is FAILED else out
 
 
@@ -156,4 +157,4 @@ def grouped_int4_momentum_(
     warning :func:`int4_kernel_applies` is False from then on, and the caller runs the torch
     ops)."""
     args = (codes, scale_codes, bases, grads, *tables, momentum, nesterov, direction_dtype)
-    return _launched(_int4_fallback, _module().grouped_int4_momentum, args)
+    return _launched(_int4_fallback, "grouped_int4_momentum", args)
