@@ -9,7 +9,7 @@
 #          NorMuon on the GPU paths, every backend against the plain loop through the step,
 #          QK-Clip's FlexAttention max-logit path against the chunked one; the kernels' checks
 #          in Triton's interpreter are left out, they are CPU tests):
-#          tests.log                                                              TESTS_S (330)
+#          tests.log                                                              TESTS_S (400)
 # train    PYTHON=$PYTHON bash scripts/train.sh configs/llama3_debug_muon.toml, the main job
 #          with no other variable set (TRAIN_ARGS: overrides to add): train.log, and the
 #          run's own log folder copied to train_logs/                             TRAIN_S (90)
@@ -85,7 +85,7 @@ START=$SECONDS
 
 for phase in $PHASES; do
     case "$phase" in
-    tests) budget="${TESTS_S:-330}" ;;
+    tests) budget="${TESTS_S:-400}" ;;
     train) budget="${TRAIN_S:-90}" ;;
     bench) budget="${BENCH_S:-170}" ;;
     compile) budget="${COMPILE_S:-300}" ;;
