@@ -13,8 +13,10 @@ the seed changed. The plan, in order (``--budget-s`` stops launching runs that w
 3. the MuonLP variants of ``--lp`` (``int8``, ``int4``, ``fp8`` state) at Muon's best lr and
    each seed, and the Muon variants of ``--variants`` (``turbo``: ``orthogonalization =
    "turbo_muon"``, ``ns_steps = 4``) at Muon's best lr and each of ``--seeds``,
-4. Muon (and NorMuon) at its best lr and each seed with shorter schedules (``--budgets``: the
-   same warm-up, the cosine decay ending at the budget): the steps it needs to reach AdamW's
+4. Muon (and NorMuon) with shorter schedules (``--budgets``: the same warm-up, the cosine
+   decay ending at the budget), each schedule's lr swept like the full one's (seed 0, the
+   ``--budget-lrs`` multiples of the optimizer's best full-length lr; default: that lr alone),
+   then the other ``--seeds`` at the schedule's best: the steps it needs to reach AdamW's
    best validation loss are those of the shortest schedule that reaches it (linear between
    budgets),
    the usual way to compare optimizers' step efficiency; the step where a full-length Muon run
@@ -83,7 +85,7 @@ OPTIMIZER_ARGS = {
     "normuon-rms": [*_NORMUON, "--optimizer.muon.normuon_rescale", "rms"],
 }
 SCHEDULED = ("muon", "normuon")
-"""The optimizers whose shorter schedules (``--budgets``) are run at their best lr."""
+"""The optimizers whose shorter schedules (``--budgets``) are run and swept."""
 LP_ARGS = {dtype: ["--optimizer.name", "muon", "--optimizer.muon.state_dtype", dtype]
            for dtype in ("int8", "int4", "fp8")}  # fmt: skip
 # Muon variants (``--variants``), run at Muon's best lr and compared with it on the same seeds.
@@ -243,16 +245,18 @@ def steps_to_reach(curve: list[list[float]], target: float) -> float | None:
     return None
 
 
-def best_lr(records: list[dict], optimizer: str) -> float | None:
-    """The lr of ``optimizer`` whose full-length seed-0 run ends with the lowest validation
-    loss (a diverged run is never the best)."""
+def best_lr(records: list[dict], optimizer: str, budget: int | None = None) -> float | None:
+    """The lr of ``optimizer`` whose seed-0 run of the full schedule (or of the shorter
+    schedule ``budget``) ends with the lowest validation loss (a diverged run is never the
+    best)."""
     sweep = [
         r
         for r in records
         if r["optimizer"] == optimizer
         and r["seed"] == 0
         and r["val"]
-        and full_length(r)
+        and r.get("budget") == budget
+        and r.get("speed") is None
         and not r.get("diverged_at")
         and math.isfinite(r["val"][-1][1])
     ]
@@ -279,6 +283,24 @@ def best_groups(full: list[dict]) -> dict[str, list[dict]]:
 def sweep_runs(args, optimizer: str) -> list[Run]:
     lrs = args.lrs[optimizer] if not args.smoke else args.lrs[optimizer][:1]
     return [Run(optimizer, float(lr), 0) for lr in lrs]
+
+
+def schedule_runs(
+    args, records: list[dict], optimizer: str, lr: float, done: set[str]
+) -> list[Run]:
+    """``optimizer``'s shorter schedules: per budget its lr sweep (seed 0, ``--budget-lrs``
+    times its best full-length ``lr``), then the other seeds at the budget's best lr once that
+    sweep is done (at once for a sweep of one lr)."""
+    runs = []
+    for budget in args.budgets:
+        sweep = [Run(optimizer, float(f"{lr * m:.6g}"), 0, budget=budget) for m in args.budget_lrs]
+        runs += sweep
+        best = sweep[0].lr if len(sweep) == 1 else None
+        if best is None and {r.name for r in sweep} <= done:
+            best = best_lr(records, optimizer, budget)
+        if best is not None:
+            runs += [Run(optimizer, best, seed, budget=budget) for seed in args.seeds]
+    return runs
 
 
 def plan(args, records: list[dict]) -> list[Run]:
@@ -311,7 +333,7 @@ def plan(args, records: list[dict]) -> list[Run]:
             if tau is not None:
                 runs.append(Run(f"{qk_clip_curves.QKCLIP}{tau:g}", muon_lr, 0))
     for opt in (o for o in SCHEDULED if o in best):
-        runs += [Run(opt, best[opt], seed, budget=b) for b in args.budgets for seed in args.seeds]
+        runs += schedule_runs(args, records, opt, best[opt], done)
     if len(best) == len(args.optimizers):
         variants = {f"muon-{v}": best["muon"] for v in args.variants if "muon" in best}
         runs += [
@@ -370,27 +392,42 @@ def speed_table(records: list[dict]) -> tuple[list[str], dict[str, dict]]:
     return lines, stats
 
 
+def schedule_groups(records: list[dict], optimizer: str) -> dict[int, list[dict]]:
+    """Per shorter schedule length of ``optimizer``, its runs at that schedule's best lr
+    (:func:`best_lr` of the schedule's seed-0 sweep), every seed."""
+    groups = {}
+    for budget in sorted({r["budget"] for r in records if r.get("budget")}):
+        lr = best_lr(records, optimizer, budget)
+        chosen = [r for r in records if r["optimizer"] == optimizer and r.get("budget") == budget
+                  and r["lr"] == lr]  # fmt: skip
+        if chosen:
+            groups[budget] = chosen
+    return groups
+
+
 def schedule_table(
     records: list[dict], runs: list[dict], target: float
 ) -> tuple[list[str], dict | None]:
-    """An optimizer's shorter schedules (same optimizer, lr and seeds as ``runs``, its
-    full-length best-lr runs): the mean final validation loss per schedule length and the
-    shortest length that reaches ``target`` (linear between lengths; an upper bound when the
-    shortest already reaches it)."""
-    opt, lr, seeds = runs[0]["optimizer"], runs[0]["lr"], {r["seed"] for r in runs}
-    by_len: dict[int, list[float]] = {}
-    for r in records:
-        if r["optimizer"] == opt and r["lr"] == lr and r.get("budget") and r["seed"] in seeds:
-            by_len.setdefault(r["budget"], []).append(r["val"][-1][1])
+    """An optimizer's shorter schedules beside ``runs`` (its full-length best-lr runs), each at
+    its own best lr, on the seeds of ``runs``: the mean final validation loss per schedule
+    length and the shortest length that reaches ``target`` (linear between lengths; an upper
+    bound when the shortest already reaches it)."""
+    opt, seeds = runs[0]["optimizer"], {r["seed"] for r in runs}
+    by_len = {
+        n: [r for r in chosen if r["seed"] in seeds]
+        for n, chosen in schedule_groups(records, opt).items()
+    }
+    by_len = {n: chosen for n, chosen in by_len.items() if chosen}
     if not by_len:
         return [], None
-    by_len[runs[0]["steps"]] = [r["val"][-1][1] for r in runs]
-    curve = [[n, statistics.fmean(v)] for n, v in sorted(by_len.items())]
+    by_len[runs[0]["steps"]] = runs
+    curve = [[n, statistics.fmean(r["val"][-1][1] for r in by_len[n])] for n in sorted(by_len)]
     steps = steps_to_reach(curve, target)
-    lines = ["", f"| {opt} schedule length (lr {lr:g}) | seeds | final val loss (mean) |",
-             "|" + " --- |" * 3]  # fmt: skip
-    lines += [f"| {n} | {len(by_len[n])} | {v:.4f} |" for n, v in curve]
-    return lines, {"steps": steps, "upper_bound": steps == curve[0][0], "curve": curve}
+    lines = ["", f"| {opt} schedule length | lr | seeds | final val loss (mean) |",
+             "|" + " --- |" * 4]  # fmt: skip
+    lines += [f"| {n} | {by_len[n][0]['lr']:g} | {len(by_len[n])} | {v:.4f} |" for n, v in curve]
+    lrs = {n: by_len[n][0]["lr"] for n, _ in curve}
+    return lines, {"steps": steps, "upper_bound": steps == curve[0][0], "curve": curve, "lrs": lrs}
 
 
 def place(record: dict) -> tuple[str, str]:
@@ -531,13 +568,10 @@ def plot(records: list[dict], path: Path) -> bool:
         mean = [statistics.fmean(t[s] for t in train) for s in tsteps]
         ax_t.plot(tsteps, smooth(mean), lw=1, color=color, label=opt)
     for opt in SCHEDULED:
-        for budget in sorted({r["budget"] for r in ok if r.get("budget")}):
-            runs = [r for r in ok if r.get("budget") == budget and r["optimizer"] == opt]
-            if not runs:
-                continue
+        for budget, runs in schedule_groups(ok, opt).items():
             steps, losses = zip(*mean_curve(runs), strict=True)
             ax_v.plot(steps, losses, ls="--", marker=".", lw=1, color=COLORS[opt], alpha=0.6,
-                      label=f"{opt}, {budget}-step schedule")  # fmt: skip
+                      label=f"{opt}, {budget}-step schedule, lr {runs[0]['lr']:g}")  # fmt: skip
     if "adamw" in best:
         target = min(v for _, v in mean_curve(best["adamw"]))
         ax_v.axhline(target, color=COLORS["adamw"], ls=":", lw=1, label="AdamW's best")
@@ -593,6 +627,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "for none)",
     )
     p.add_argument(
+        "--budget-lrs",
+        default="1",
+        help="each shorter schedule's lr sweep (seed 0), as multiples of the optimizer's best "
+        "full-length lr; the other --seeds run at the best of them",
+    )
+    p.add_argument(
         "--speed-repeats",
         type=int,
         default=None,
@@ -632,6 +672,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.lp_seeds = [int(s) for s in args.lp_seeds.split(",") if s]
     args.lp = [d for d in args.lp.split(",") if d]
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
+    try:
+        args.budget_lrs = [float(m) for m in args.budget_lrs.split(",") if m]
+    except ValueError:
+        p.error(f"--budget-lrs: {args.budget_lrs!r} is not a comma-separated list of numbers")
+    if not args.budget_lrs or any(not (m > 0 and math.isfinite(m)) for m in args.budget_lrs):
+        p.error(f"--budget-lrs: {args.budget_lrs} must be positive multiples of the best lr")
     for d in args.lp:
         if d not in LP_ARGS:
             p.error(f"--lp: unknown state dtype {d!r}; choose from {sorted(LP_ARGS)}")

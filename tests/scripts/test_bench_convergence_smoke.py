@@ -94,7 +94,51 @@ def test_shorter_schedules_and_speed_runs():
     assert head["muon"]["tps_ratio"] == pytest.approx(97.5 / 101)
     assert head["muon"]["tps_from"] == "speed runs"
     assert head["muon"]["seeds"] == 1  # budget and speed runs are not full-length seeds
-    assert "| speed runs (alone) |" in table and "| 15 | 1 | 3.7000 |" in table
+    assert "| speed runs (alone) |" in table and "| 15 | 0.004 | 1 | 3.7000 |" in table
+
+
+def test_each_shorter_schedule_gets_its_own_lr_sweep():
+    """``--budget-lrs``: a shorter schedule is swept (seed 0) at those multiples of the
+    optimizer's best full-length lr, its other seeds run at the schedule's best, and the
+    report compares each schedule at its own best lr."""
+    args = bc.parse_args(
+        ["--optimizers", "adamw,muon", "--lp", "", "--seeds", "0,1", "--budgets", "10,15",
+         "--budget-lrs", "1,1.5", "--speed-repeats", "0", "--lrs-adamw", "1e-3",
+         "--lrs-muon", "4e-3"]
+    )  # fmt: skip
+    full = [
+        _record("adamw", 1e-3, 0, [[10, 4.5], [20, 3.8]]),
+        _record("adamw", 1e-3, 1, [[10, 4.5], [20, 3.8]]),
+        _record("muon", 4e-3, 0, [[10, 3.9], [20, 3.0]]),
+        _record("muon", 4e-3, 1, [[10, 3.9], [20, 3.0]]),
+    ]
+    assert [r.name for r in bc.plan(args, full)] == [
+        "muon-lr0.004-seed0-steps10", "muon-lr0.006-seed0-steps10",
+        "muon-lr0.004-seed0-steps15", "muon-lr0.006-seed0-steps15",
+    ]  # fmt: skip
+
+    def short(lr, seed, budget, loss):
+        name = bc.Run("muon", lr, seed, budget=budget).name
+        record = _record("muon", lr, seed, [[budget, loss]], steps=budget)
+        return {**record, "budget": budget, "name": name}
+
+    swept = [*full, short(4e-3, 0, 10, 4.0), short(6e-3, 0, 10, 3.85),
+             short(4e-3, 0, 15, 3.6), short(6e-3, 0, 15, 3.7)]  # fmt: skip
+    # Each schedule's sweep done: seed 1 at that schedule's best lr, 0.006 and 0.004.
+    assert [r.name for r in bc.plan(args, swept)] == [
+        "muon-lr0.006-seed1-steps10", "muon-lr0.004-seed1-steps15"
+    ]  # fmt: skip
+    records = [*swept, short(6e-3, 1, 10, 3.75), short(4e-3, 1, 15, 3.7)]
+    table, head = bc.summarize(records)
+    sched = head["muon"]["schedule"]
+    assert sched["lrs"] == {10: 6e-3, 15: 4e-3, 20: 4e-3}
+    assert sched["curve"] == [[10, pytest.approx(3.8)], [15, pytest.approx(3.65)], [20, 3.0]]
+    assert sched["steps"] == pytest.approx(10.0) and sched["upper_bound"]
+    assert "| 10 | 0.006 | 2 | 3.8000 |" in table and "| 15 | 0.004 | 2 | 3.6500 |" in table
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--budget-lrs", "1,-2"])
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--budget-lrs", "x"])
 
 
 def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
@@ -128,7 +172,7 @@ def test_normuon_gets_its_sweep_schedules_speed_runs_and_verdicts():
     assert (
         head["normuon"]["schedule"]["upper_bound"] and head["normuon"]["schedule"]["ratio"] == 0.5
     )
-    assert "| normuon schedule length (lr 0.004) |" in table
+    assert "| normuon schedule length | lr | seeds | final val loss (mean) |" in table
     lines = bc.verdicts(head)
     assert any("NorMuon's shortest schedule" in v and "at most 0.50" in v for v in lines), lines
     assert any("NorMuon tokens/s = 0.960 x AdamW's, 0.980 x Muon's" in v for v in lines), lines
