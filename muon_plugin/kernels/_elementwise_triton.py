@@ -68,10 +68,18 @@ def _program_tile(meta_ptr, tiles_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _momentum_tile(
-    g_ptrs, b_ptrs, d_ptrs, w, m, mask, BUF_TY: tl.constexpr, NESTEROV: tl.constexpr
+    g_ptrs,
+    b_ptrs,
+    d_ptrs,
+    w,
+    m,
+    mask,
+    BUF_TY: tl.constexpr,
+    D_TY: tl.constexpr,
+    NESTEROV: tl.constexpr,
 ):
     # Foreach math: the grad is cast to the buffer dtype; buf.lerp_(grad, 1 - momentum);
-    # direction = grad.lerp(buf, momentum) (Nesterov) or buf; the direction is then bf16.
+    # direction = grad.lerp(buf, momentum) (Nesterov) or buf; the direction is then D_TY.
     g = tl.load(g_ptrs, mask=mask).to(BUF_TY).to(tl.float32)
     b = tl.load(b_ptrs, mask=mask).to(tl.float32)
     b = _lerp(b, g, w).to(BUF_TY)
@@ -80,7 +88,7 @@ def _momentum_tile(
         d = _lerp(g, b.to(tl.float32), m).to(BUF_TY)
     else:
         d = b
-    tl.store(d_ptrs, d.to(tl.bfloat16), mask=mask)
+    tl.store(d_ptrs, d.to(D_TY), mask=mask)
 
 
 @triton.jit
@@ -91,9 +99,10 @@ def _grouped_momentum_kernel(
     w,
     m,
     G_TY: tl.constexpr,
-    BUF_TY: tl.constexpr,
+    D_TY: tl.constexpr,
     ALIGNED: tl.constexpr,
     NESTEROV: tl.constexpr,
+    BUF_TY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row, n, start = _program_tile(meta_ptr, tiles_ptr, 5, BLOCK)
@@ -111,9 +120,9 @@ def _grouped_momentum_kernel(
     b_ptrs = b_base + offs
     d_ptrs = dir_ptr + d_off + offs
     if start + BLOCK <= n:  # full tile: unmasked, so the accesses vectorize
-        _momentum_tile(g_ptrs, b_ptrs, d_ptrs, w, m, None, BUF_TY, NESTEROV)
+        _momentum_tile(g_ptrs, b_ptrs, d_ptrs, w, m, None, BUF_TY, D_TY, NESTEROV)
     else:
-        _momentum_tile(g_ptrs, b_ptrs, d_ptrs, w, m, offs < n, BUF_TY, NESTEROV)
+        _momentum_tile(g_ptrs, b_ptrs, d_ptrs, w, m, offs < n, BUF_TY, D_TY, NESTEROV)
 
 
 @triton.jit
@@ -327,6 +336,38 @@ def clear_caches() -> None:
 # ---------------------------------------------------------------------- launches
 
 
+def _launch(
+    kernel: triton.JITFunction,
+    tables: tuple,
+    operands: tuple[torch.Tensor, ...],
+    grads: Sequence[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    direction_dtype: torch.dtype,
+    **constexprs: Any,
+) -> list[torch.Tensor]:
+    """One grouped momentum launch over ``tables`` (``_tables``' layout, meta table and
+    alignment), the kernel's lookup ``operands`` after the directions' buffer and its other
+    ``constexprs``; the directions (``direction_dtype``)."""
+    layout, meta, aligned = tables
+    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=grads[0].device)
+    if layout.n_tiles:
+        kernel[(layout.n_tiles,)](
+            meta,
+            layout.tiles,
+            flat,
+            *operands,
+            1.0 - momentum,
+            momentum,
+            G_TY=_TL_DTYPES[grads[0].dtype],
+            D_TY=_TL_DTYPES[direction_dtype],
+            ALIGNED=aligned,
+            NESTEROV=nesterov,
+            **constexprs,
+        )
+    return layout.directions(flat)
+
+
 def grouped_momentum(
     grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor], momentum: float, nesterov: bool
 ) -> list[torch.Tensor]:
@@ -337,23 +378,11 @@ def grouped_momentum(
     """
     if not grads:
         return []
-    layout, meta, aligned = _tables(grads, bufs, with_dir=True)
-    device = bufs[0].device
-    flat = torch.empty(layout.dir_numel, dtype=torch.bfloat16, device=device)
-    if layout.n_tiles:
-        _grouped_momentum_kernel[(layout.n_tiles,)](
-            meta,
-            layout.tiles,
-            flat,
-            1.0 - momentum,
-            momentum,
-            G_TY=_TL_DTYPES[grads[0].dtype],
-            BUF_TY=_TL_DTYPES[bufs[0].dtype],
-            ALIGNED=aligned,
-            NESTEROV=nesterov,
-            BLOCK=BLOCK,
-        )
-    return layout.directions(flat)
+    tables = _tables(grads, bufs, with_dir=True)
+    return _launch(
+        _grouped_momentum_kernel, tables, (), grads, momentum, nesterov, torch.bfloat16,
+        BUF_TY=_TL_DTYPES[bufs[0].dtype], BLOCK=BLOCK,
+    )  # fmt: skip
 
 
 def grouped_decay_update(

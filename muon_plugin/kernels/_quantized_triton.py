@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muon_plugin.kernels._elementwise_triton import _TL_DTYPES, BLOCK, _lerp, _program_tile, _tables
+from muon_plugin.kernels._elementwise_triton import BLOCK, _launch, _lerp, _program_tile, _tables
 
 TILE = BLOCK
 """Elements per program (``ROWS`` blocks of ``BS``): the grouped tables' tile, so a tensor of
@@ -134,37 +134,6 @@ def grouped_int8_momentum(
         _grouped_int8_momentum_kernel, tables, (qmap,), grads, momentum, nesterov,
         direction_dtype, BS=block, ROWS=TILE // block,
     )  # fmt: skip
-
-
-def _launch(
-    kernel: triton.JITFunction,
-    tables: tuple,
-    operands: tuple[torch.Tensor, ...],
-    grads: Sequence[torch.Tensor],
-    momentum: float,
-    nesterov: bool,
-    direction_dtype: torch.dtype,
-    **sizes: int,
-) -> list[torch.Tensor]:
-    """One grouped momentum launch over ``tables`` (``_tables``' layout, meta table and
-    alignment), the kernel's lookup ``operands`` after the directions' buffer; the directions."""
-    layout, meta, aligned = tables
-    flat = torch.empty(layout.dir_numel, dtype=direction_dtype, device=grads[0].device)
-    if layout.n_tiles:
-        kernel[(layout.n_tiles,)](
-            meta,
-            layout.tiles,
-            flat,
-            *operands,
-            1.0 - momentum,
-            momentum,
-            G_TY=_TL_DTYPES[grads[0].dtype],
-            D_TY=_TL_DTYPES[direction_dtype],
-            ALIGNED=aligned,
-            NESTEROV=nesterov,
-            **sizes,
-        )
-    return layout.directions(flat)
 
 
 _TINY = tl.constexpr(1.1754943508222875e-38)
