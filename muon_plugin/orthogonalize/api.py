@@ -48,7 +48,8 @@ def zeropower(
     ``coefficients`` replace the strategy's schedule (see :func:`coefficient_schedule`).
 
     The path is resolved by the built-in ``backend`` (``"auto"``, ``"cublas"`` or ``"plain"``)
-    for ``G``'s shape and device; ``gram_space`` forces Gram-space (True) or x-space (False)
+    for ``G``'s shape and device, less the features the environment's overrides switch off
+    (read now: a one-off call); ``gram_space`` forces Gram-space (True) or x-space (False)
     iteration on it, and an explicit ``path`` replaces the resolution altogether.
     """
     if G.ndim < 2:
@@ -59,6 +60,7 @@ def zeropower(
     if path is None:
         m, n = sorted(G.shape[-2:])
         batch = math.prod(G.shape[:-2])
+        backend = with_overrides(backend, environment_overrides())
         path = iteration_backend(backend).iteration_path(batch, m, n, G.device, gram_space)
     return run_iteration(G, schedule, path, scale=scale, eps=eps, overwrite_input=overwrite_input)
 

@@ -6,10 +6,8 @@ a Gaussian and on a low-rank-plus-noise input, each path checked against the pla
 
 from __future__ import annotations
 
-import contextlib
-import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,54 +29,39 @@ TURBO = "turbo_muon x4"
 factor of the row-scaled matrix (docs/design/turbo_aol.md)."""
 
 PLAIN_LOOP = "polar_express, plain bf16 loop"
-"""The plain bf16 loop (no Gram space, cuBLAS only): the accuracy every fast path must keep."""
+"""The plain bf16 loop (``backend="plain"``: x-space, bf16 products on cuBLAS): the accuracy
+every fast path must keep."""
 
 Loop = tuple[str, int]
 """(strategy, steps): the fp64 loop a variant computes."""
 
 
-@contextlib.contextmanager
-def env_var(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, dict, Loop]]:
-    """(name, fn of the input, environment, the fp64 loop it computes) for one input shape:
-    the default path, Newton-Schulz, Turbo-Muon's 4 steps, the plain bf16 loop, the default path
-    on cuBLAS alone (where the Gram-space path runs, which is cuBLAS-only otherwise), the naive
-    reference."""
-    variants: list[tuple[str, Callable[[torch.Tensor], Any], dict, Loop]] = [
-        ("polar_express", lambda X: zeropower(X, 5, "polar_express"), {}, ("polar_express", 5)),
-        ("newton_schulz", lambda X: zeropower(X, 5, "newton_schulz"), {}, ("newton_schulz", 5)),
-        (TURBO, lambda X: zeropower(X, 4, "turbo_muon"), {}, ("turbo_muon", 4)),
-    ]
-    variants.append(
+def ortho_variants(G: torch.Tensor, use_triton: bool) -> list[tuple[str, Callable, Loop]]:
+    """(name, fn of the input, the fp64 loop it computes) for one input shape: the default
+    path, Newton-Schulz, Turbo-Muon's 4 steps, the plain bf16 loop (``backend="plain"``), the
+    default path on cuBLAS alone (``backend="cublas"``, where the Gram-space path runs, which
+    is cuBLAS-only otherwise), the naive reference. Each path is chosen by its backend's name,
+    as a user chooses it."""
+    variants: list[tuple[str, Callable[[torch.Tensor], Any], Loop]] = [
+        ("polar_express", lambda X: zeropower(X, 5, "polar_express"), ("polar_express", 5)),
+        ("newton_schulz", lambda X: zeropower(X, 5, "newton_schulz"), ("newton_schulz", 5)),
+        (TURBO, lambda X: zeropower(X, 4, "turbo_muon"), ("turbo_muon", 4)),
         (
             PLAIN_LOOP,
-            lambda X: zeropower(X, 5, "polar_express", gram_space=False),
-            {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+            lambda X: zeropower(X, 5, "polar_express", backend="plain"),
             ("polar_express", 5),
-        )
-    )
+        ),
+    ]
     if use_triton and use_gram_iteration(G.reshape(-1, *G.shape[-2:]).to(torch.bfloat16)):
         variants.append(
             (
                 "polar_express, cuBLAS only",
-                lambda X: zeropower(X, 5, "polar_express"),
-                {"MUON_PLUGIN_DISABLE_TRITON": "1"},
+                lambda X: zeropower(X, 5, "polar_express", backend="cublas"),
                 ("polar_express", 5),
             )
         )
     naive = ("newton_schulz", 5)
-    variants.append(("naive eager NS (reference)", lambda X: naive_newton_schulz(X, 5), {}, naive))
+    variants.append(("naive eager NS (reference)", lambda X: naive_newton_schulz(X, 5), naive))
     return variants
 
 
@@ -93,17 +76,14 @@ def section_ortho(cfg: Config, device: torch.device, timer: Timer, peak: dict, l
         refs = {loop: float64_loop(G, *loop) for *_, loop in variants}
         L = low_rank_plus_noise(shape, gen, device)
         polar = {"gauss": exact_polar(G), "low_rank": exact_polar(L)}
-        for name, fn, env, loop in variants:
+        for name, fn, loop in variants:
             flops = ns_flops(shape, loop[1])
             row: dict[str, Any] = {"section": "ortho", "shape": fmt_shape(shape), "name": name}
             try:
-                with contextlib.ExitStack() as stack:
-                    for k, v in env.items():
-                        stack.enter_context(env_var(k, v))
-                    ms = timer.bench(lambda fn=fn, G=G: fn(G))
-                    row["err_fp64"] = rel_err(fn(G), refs[loop])
-                    row["polar_err_gauss"] = rel_err(fn(G), polar["gauss"])
-                    row["polar_err_low_rank"] = rel_err(fn(L), polar["low_rank"])
+                ms = timer.bench(lambda fn=fn, G=G: fn(G))
+                row["err_fp64"] = rel_err(fn(G), refs[loop])
+                row["polar_err_gauss"] = rel_err(fn(G), polar["gauss"])
+                row["polar_err_low_rank"] = rel_err(fn(L), polar["low_rank"])
                 row.update(ms=ms, tflops=flops / ms * 1e-9, flops=flops)
                 row["pct_peak"] = 100.0 * row["tflops"] / peak["tflops"]
                 row["floor_ms"] = flops / (peak["tflops"] * 1e9)

@@ -198,6 +198,26 @@ def test_modifiers_and_environment_switches_take_the_same_features_away(hopper):
     assert environment_overrides() == frozenset()
 
 
+def test_a_one_off_zeropower_call_reads_the_environment_switches(hopper):
+    """``zeropower`` is a one-off call: it resolves through the backend less the features the
+    environment switches off at that call (as a one-off ``orthogonalize_stack`` does), so
+    ``MUON_PLUGIN_DISABLE_TRITON=1`` gives it the ``cublas`` path, not the Triton kernel."""
+    import muon_plugin.orthogonalize.api as api
+
+    asked = []
+    real = api.iteration_backend
+    hopper.setattr(api, "iteration_backend", lambda name: asked.append(name) or real(name))
+    G = torch.randn(16, 64)
+    plain = zeropower(G)
+    hopper.setenv("MUON_PLUGIN_DISABLE_TRITON", "1")
+    hopper.setenv("MUON_PLUGIN_DISABLE_GRAM", "1")
+    switched = zeropower(G)
+    hopper.delenv("MUON_PLUGIN_DISABLE_TRITON")
+    hopper.delenv("MUON_PLUGIN_DISABLE_GRAM")
+    assert asked == ["auto", "auto:no-gram,no-triton"]
+    torch.testing.assert_close(switched, plain, rtol=0, atol=0)  # the CPU's path either way
+
+
 @needs_triton
 @pytest.mark.parametrize("batch", [1, 4, 8, 32])
 def test_auto_reproduces_the_per_product_dispatch(hopper, batch):
