@@ -173,7 +173,8 @@ def measure(args) -> list[dict]:
             caveat = rel_err(target, exact)
             for path_name in args.paths:
                 path = None if path_name == "native" else gpu_path(full)
-                ctx = kernel_emulated() if path is not None and path.uses_triton else None
+                products_in_kernel = path is not None and (path.xx_triton or path.mm_triton)
+                ctx = kernel_emulated() if products_in_kernel else None
                 with ctx or contextlib.nullcontext():
                     for strategy, steps in args.variants:
                         out = orthogonalized(G, steps=steps, strategy=strategy, path=path)

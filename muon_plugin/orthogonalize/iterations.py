@@ -38,12 +38,17 @@ class IterationPath:
       fp16 ``m x m`` matrices); ``"bf16"``: the plain loop, one bf16 ``baddbmm`` per step.
     - ``xx_triton``: the ``X X^T`` products of the ``m x n`` matrix run in the Triton kernel.
     - ``tma``: the Triton kernel may load (and store) by TMA.
+    - ``scale_triton``: the per-matrix scalings (the pre-scaling of huge or tiny matrices, the
+      division by the norms) run in the Triton scaling kernel even where no product does: one
+      launch instead of a dozen small torch ops, which an eager call on a GPU pays for on the
+      host (the kernel's results are bit for bit the torch ops').
     """
 
     space: str = "x"
     products: str = "bf16"
     xx_triton: bool = False
     tma: bool = False
+    scale_triton: bool = False
 
     def __post_init__(self) -> None:
         known = self.space in SPACES and self.products in PRODUCTS
@@ -59,9 +64,10 @@ class IterationPath:
         return self.products == "triton"
 
     @property
-    def uses_triton(self) -> bool:
-        """Whether any product runs in Triton (then the per-matrix scalings do too)."""
-        return self.xx_triton or self.mm_triton
+    def scalings_in_triton(self) -> bool:
+        """Whether the per-matrix scalings run in the Triton scaling kernel: where the path
+        says so, and wherever a product runs in Triton."""
+        return self.scale_triton or self.xx_triton or self.mm_triton
 
     def describe(self) -> str:
         """E.g. ``"gram, triton(tma)"``, ``"x, fp16 cublas"``, ``"x, bf16"``."""
@@ -166,7 +172,7 @@ def run_iteration(
     tall = X.size(-2) > X.size(-1)
     wide = X.mT if tall else X
     normalize = Normalization(schedule.norm_safety, eps, schedule.aol)
-    normalize.prescale_(X, path.uses_triton)
+    normalize.prescale_(X, path.scalings_in_triton)
     kwargs = {"transpose_result": tall, "normalize": normalize, "path": path}
     if path.space == "gram":  # X is this call's to overwrite: the result may go into it
         X = iterate_gram(wide, schedule.coefficients, scale, out=X, **kwargs)
@@ -286,7 +292,7 @@ def _loop_input(
         X = normalize.scaled_copy(X, torch.float16) if normalize else X.to(torch.float16)
         return X, None, None, None
     if normalize is not None and not path.mm_triton:
-        normalize.scale_(X, path.uses_triton)
+        normalize.scale_(X, path.scalings_in_triton)
         return X, None, None, None
     return X, normalize, None, None
 

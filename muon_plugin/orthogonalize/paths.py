@@ -50,7 +50,7 @@ GRAM_MIN_ASPECT = 2.0
 class Features:
     """What a built-in backend may use; each is used only where it pays (see the rules)."""
 
-    triton: bool = True  # Triton symmetric kernels, in the shape region where they win
+    triton: bool = True  # Triton symmetric kernels where they win; the scaling kernel (CUDA)
     gram: bool = True  # Gram-space iteration for wide matrices (CUDA)
     half: bool = True  # the fp16 cuBLAS Q-form where the kernel does not run (CUDA)
     graphs: bool = True  # CUDA graphs for small stacks
@@ -91,7 +91,8 @@ def iteration_path(
     - Gram space on CUDA where ``n >= GRAM_MIN_ASPECT * m`` (:func:`use_gram_iteration`),
       unless ``gram_space`` says otherwise;
     - else, where the ``m x m`` products do not run in the kernel, the fp16 cuBLAS Q-form on
-      CUDA, and the plain bf16 loop elsewhere.
+      CUDA, and the plain bf16 loop elsewhere;
+    - the per-matrix scalings in the Triton scaling kernel on CUDA, whatever the products.
     """
     cuda = device.type == "cuda"
     triton = features.triton and cuda
@@ -106,7 +107,7 @@ def iteration_path(
     else:
         products = "bf16"
     tma = (xx or mm) and features.tma and tma_supported(device)
-    return IterationPath("gram" if gram_space else "x", products, xx, tma)
+    return IterationPath("gram" if gram_space else "x", products, xx, tma, scale_triton=triton)
 
 
 def use_gram_iteration(X: Any) -> bool:

@@ -235,6 +235,39 @@ def test_auto_reproduces_the_per_product_dispatch(hopper, batch):
         assert got.products == ("triton" if mm else "fp16"), (m, n)
 
 
+@pytest.mark.parametrize(
+    "backend, scale_triton", [("auto", True), ("cublas", False), ("plain", False)]
+)
+def test_the_scalings_run_in_triton_on_every_auto_path_on_a_gpu(hopper, backend, scale_triton):
+    """``"auto"`` runs the per-matrix scalings in the Triton scaling kernel on CUDA whatever
+    its products (an eager call pays a dozen small torch ops on the host otherwise); the
+    backends without Triton never do, nor does any path on the CPU."""
+    for shape in [(1024, 4096), (768, 768), (4096, 14336), (8, 16)]:
+        path = resolve_path(shape, 1, GPU, F32, MatrixSpec(backend=backend), graphs=False)
+        assert path.iteration(shape[0]).scale_triton == scale_triton, shape
+        cpu = resolve_path(shape, 1, CPU, F32, MatrixSpec(backend=backend), graphs=False)
+        assert not cpu.iteration(shape[0]).scalings_in_triton, shape
+
+
+def test_an_eager_path_asks_for_the_scaling_kernel(monkeypatch):
+    """A path with ``scale_triton`` hands the pre-scaling and the norms to the scaling kernel
+    (which falls back to the same torch ops off CUDA), with products on cuBLAS or not."""
+    import muon_plugin.orthogonalize.iterations as iterations
+
+    asked = []
+    real = iterations.prescale_
+    monkeypatch.setattr(
+        iterations,
+        "prescale_",
+        lambda X, lo, hi, kernel: asked.append(kernel) or real(X, lo, hi, kernel),
+    )
+    G = torch.randn(16, 48, generator=torch.Generator().manual_seed(0))
+    plain = zeropower(G, path=IterationPath())
+    flagged = zeropower(G, path=IterationPath(scale_triton=True))
+    assert asked == [False, True]
+    assert torch.equal(plain, flagged)
+
+
 def test_zeropower_takes_a_backend_or_a_path():
     G = torch.randn(2, 24, 40, generator=torch.Generator().manual_seed(0))
     plain = zeropower(G, 5, backend="plain")
