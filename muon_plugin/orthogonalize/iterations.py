@@ -38,10 +38,8 @@ class IterationPath:
       fp16 ``m x m`` matrices); ``"bf16"``: the plain loop, one bf16 ``baddbmm`` per step.
     - ``xx_triton``: the ``X X^T`` products of the ``m x n`` matrix run in the Triton kernel.
     - ``tma``: the Triton kernel may load (and store) by TMA.
-    - ``scale_triton``: the per-matrix scalings (the pre-scaling of huge or tiny matrices, the
-      division by the norms) run in the Triton scaling kernel even where no product does: one
-      launch instead of a dozen small torch ops, which an eager call on a GPU pays for on the
-      host (the kernel's results are bit for bit the torch ops').
+    - ``scale_triton``: the per-matrix scalings run in the Triton scaling kernel even where no
+      product does (one launch, not a dozen small torch ops; the same bits).
     """
 
     space: str = "x"
@@ -65,8 +63,7 @@ class IterationPath:
 
     @property
     def scalings_in_triton(self) -> bool:
-        """Whether the per-matrix scalings run in the Triton scaling kernel: where the path
-        says so, and wherever a product runs in Triton."""
+        """Whether the per-matrix scalings run in Triton (asked for, or a product does)."""
         return self.scale_triton or self.xx_triton or self.mm_triton
 
     def describe(self) -> str:
@@ -261,7 +258,7 @@ def _iterate_loop(
             continue
         B = gram(A, alpha=c, C=A, beta=b, kernel=mm, tma=tma)
         del A
-        if _is_transposed(X):
+        if not X.is_contiguous() and X.mT.is_contiguous():
             # A tall input seen through .mT: update its contiguous tall form, X^T <- X^T Q
             # (baddbmm copies its input, and a contiguous copy is a plain memcpy).
             T = torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
@@ -295,11 +292,6 @@ def _loop_input(
         normalize.scale_(X, path.scalings_in_triton)
         return X, None, None, None
     return X, normalize, None, None
-
-
-def _is_transposed(X: Tensor) -> bool:
-    """Whether the batch ``X`` is the ``.mT`` view of a contiguous batch."""
-    return not X.is_contiguous() and X.mT.is_contiguous()
 
 
 # Gram-space iteration: the Gram matrix is stored as GRAM_SCALE_CAP-capped ``m * X X^T`` in

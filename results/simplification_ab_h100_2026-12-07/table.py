@@ -1,5 +1,6 @@
 """The same-call A/B: each figure is the median (range) of a tree's three runs; the ratios are
 to 434f221's medians. Run in the folder holding runs/<tree>_<round>.json."""
+
 import json
 import statistics
 
@@ -15,7 +16,10 @@ def figures():
                 if s == "kernels":
                     key, value = (s, row["shape"], f"{row['kind']} (dispatch)"), row.get("gram_ms")
                 elif s in ("ortho", "step"):
-                    key, value = (s, row.get("workload") or row["shape"], row["name"]), row.get("ms")
+                    key, value = (
+                        (s, row.get("workload") or row["shape"], row["name"]),
+                        row.get("ms"),
+                    )
                 elif s == "memory":
                     key, value = (s, row["workload"], row["name"]), row.get("peak_mib")
                 else:
@@ -27,17 +31,26 @@ def figures():
 
 def main():
     unit = {"kernels": "ms", "ortho": "ms", "step": "ms", "memory": "peak MiB"}
-    print("| section | shape / workload | row | " + " | ".join(TREES.values())
-          + " | d74501c at interval 3 / 434f221 | d74501c / 434f221 |")
+    print(
+        "| section | shape / workload | row | "
+        + " | ".join(TREES.values())
+        + " | d74501c at interval 3 / 434f221 | d74501c / 434f221 |"
+    )
     print("|" + " --- |" * 8)
     for (section, where, name), per in figures().items():
         if not all(len(per.get(t, [])) == 3 for t in TREES):
             continue
         med = {t: statistics.median(per[t]) for t in TREES}
         digits = 0 if section == "memory" else 3
-        cells = [f"{med[t]:.{digits}f} ({min(per[t]):.{digits}f}-{max(per[t]):.{digits}f})" for t in TREES]
-        print(f"| {section} ({unit[section]}) | {where} | {name} | " + " | ".join(cells)
-              + f" | {med['head3'] / med['old']:.3f} | {med['head'] / med['old']:.3f} |")
+        cells = [
+            f"{med[t]:.{digits}f} ({min(per[t]):.{digits}f}-{max(per[t]):.{digits}f})"
+            for t in TREES
+        ]
+        print(
+            f"| {section} ({unit[section]}) | {where} | {name} | "
+            + " | ".join(cells)
+            + f" | {med['head3'] / med['old']:.3f} | {med['head'] / med['old']:.3f} |"
+        )
 
 
 main()
