@@ -414,10 +414,10 @@ def schedule_table(
     bound when the shortest already reaches it)."""
     opt, seeds = runs[0]["optimizer"], {r["seed"] for r in runs}
     by_len = {
-        n: [r for r in chosen if r["seed"] in seeds]
+        n: kept
         for n, chosen in schedule_groups(records, opt).items()
+        if (kept := [r for r in chosen if r["seed"] in seeds])
     }
-    by_len = {n: chosen for n, chosen in by_len.items() if chosen}
     if not by_len:
         return [], None
     by_len[runs[0]["steps"]] = runs

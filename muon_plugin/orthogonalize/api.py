@@ -60,8 +60,7 @@ def zeropower(
     if path is None:
         m, n = sorted(G.shape[-2:])
         batch = math.prod(G.shape[:-2])
-        backend = with_overrides(backend, environment_overrides())
-        path = iteration_backend(backend).iteration_path(batch, m, n, G.device, gram_space)
+        path = iteration_backend(one_off(backend)).iteration_path(batch, m, n, G.device, gram_space)
     return run_iteration(G, schedule, path, scale=scale, eps=eps, overwrite_input=overwrite_input)
 
 
@@ -111,7 +110,7 @@ def resolve_stack(X: Stack, spec: MatrixSpec) -> ResolvedPath:
     overrides (read now)."""
     first = X if isinstance(X, Tensor) else X[0]
     shape = stack_shape(X)
-    spec = replace(spec, backend=with_overrides(spec.backend, environment_overrides()))
+    spec = replace(spec, backend=one_off(spec.backend))
     return resolve_path(shape[1:], shape[0], first.device, first.dtype, spec, graphs=False)
 
 
@@ -126,6 +125,12 @@ def run_path(
     """Run the stack ``X`` on an already resolved ``path`` (eagerly)."""
     backend = get_backend(path.backend)
     return backend.run(path, X, spec, out_dtype, overwrite_input=overwrite_input)
+
+
+def one_off(backend: str) -> str:
+    """The backend a one-off call runs: ``backend`` less the features the environment's
+    overrides switch off, read now."""
+    return with_overrides(backend, environment_overrides())
 
 
 def iteration_backend(name: str) -> IterationBackend:
