@@ -5,6 +5,8 @@ or the distributed plan.
 """
 
 from muon_plugin.kernels.symmetric import (
+    baddbmm,
+    bmm,
     gram,
     kernel_handles,
     symmetric_matmul,
@@ -16,6 +18,8 @@ from muon_plugin.kernels.symmetric import (
 )
 
 __all__ = [
+    "baddbmm",
+    "bmm",
     "gram",
     "kernel_handles",
     "symmetric_matmul",

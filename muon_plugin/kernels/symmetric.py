@@ -26,6 +26,8 @@ import torch
 from muon_plugin.kernels.symmetric_tiles import upper_tile_count
 
 __all__ = [
+    "baddbmm",
+    "bmm",
     "gram",
     "kernel_handles",
     "symmetric_matmul",
@@ -206,8 +208,12 @@ def _torch_gram(
     """The cuBLAS / CPU path: same shapes and dtypes as the kernel.
 
     2-D and 3-D inputs go straight to one ``mm``/``bmm``/``addmm``/``baddbmm`` (no reshapes:
-    on small, launch-bound shapes every extra op shows in the step time).
+    on small, launch-bound shapes every extra op shows in the step time). bf16 on the CPU runs
+    in fp32 (:func:`widen_on_cpu`), as does fp16.
     """
+    if widen_on_cpu(X):
+        C32 = None if C is None else C.float()
+        return _torch_gram(X.float(), Y.float(), alpha, C32, beta).to(X.dtype)
     if X.dim() <= 3:
         if C is None and alpha == 1:
             return X @ Y.mT
@@ -223,6 +229,38 @@ def _torch_gram(
     m = X3.shape[1]
     C3 = None if C is None else C.expand(*lead, m, m).reshape(-1, m, m)
     return _torch_gram(X3, Y3, alpha, C3, beta).view(*lead, m, m)
+
+
+def widen_on_cpu(X: torch.Tensor) -> bool:
+    """Whether a product of ``X`` runs on fp32 copies of its operands: bf16 or fp16 on the CPU.
+
+    The same arithmetic as a half-precision product summed in fp32 (each product of two bf16
+    or fp16 numbers is exact in fp32; only the order of the sums may differ), rounded once,
+    but on fp32 matmul units: CPUs without native bf16 matmuls (most x86 ones before
+    AVX512-BF16 / AMX) emulate bf16 about 16x slower than fp32. The copies cost ``O(mn)``
+    beside the ``O(m^2 n)`` product.
+    """
+    return X.dtype in _KERNEL_DTYPES and X.device.type == "cpu"
+
+
+def baddbmm(
+    C: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, *, beta: float, alpha: float
+) -> torch.Tensor:
+    """``beta * C + alpha * X @ Y`` for 3-D batches, rounded once to ``X``'s dtype: one
+    ``torch.baddbmm``, on fp32 copies where :func:`widen_on_cpu`."""
+    if widen_on_cpu(X):
+        out = torch.baddbmm(C.float(), X.float(), Y.float(), beta=beta, alpha=alpha)
+        return out.to(X.dtype)
+    return torch.baddbmm(C, X, Y, beta=beta, alpha=alpha)
+
+
+def bmm(X: torch.Tensor, Y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``X @ Y`` for 3-D batches (into ``out`` if given), in ``X``'s dtype: one ``torch.bmm``,
+    on fp32 copies where :func:`widen_on_cpu`."""
+    if not widen_on_cpu(X):
+        return torch.bmm(X, Y, out=out)
+    product = torch.bmm(X.float(), Y.float()).to(X.dtype)
+    return product if out is None else out.copy_(product)
 
 
 def triton_kernels_enabled() -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels import gram
+from muon_plugin.kernels import baddbmm, bmm, gram
 from muon_plugin.kernels.matrix_scale import prescale_, scale_matrices_
 from muon_plugin.orthogonalize.aol import aol_factors, aol_start, scaled_gram
 from muon_plugin.orthogonalize.coefficients import EPS, Coefficients, Schedule
@@ -250,10 +250,10 @@ def _iterate_loop(
             if fold is not None:  # X <- (Q D) X; Q D is not symmetric
                 Q, fold = Q.mul_(fold), None
                 if final_transposed:
-                    return torch.bmm(X.mT, Q.mT)
+                    return bmm(X.mT, Q.mT)
             if final_transposed:
-                return torch.bmm(X.mT, Q)
-            X = torch.bmm(Q, X)
+                return bmm(X.mT, Q)
+            X = bmm(Q, X)
             del Q
             continue
         B = gram(A, alpha=c, C=A, beta=b, kernel=mm, tma=tma)
@@ -261,15 +261,15 @@ def _iterate_loop(
         if not X.is_contiguous() and X.mT.is_contiguous():
             # A tall input seen through .mT: update its contiguous tall form, X^T <- X^T Q
             # (baddbmm copies its input, and a contiguous copy is a plain memcpy).
-            T = torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+            T = baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
             del B
             if final_transposed:
                 return T
             X = T.mT
             continue
         if final_transposed:
-            return torch.baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
-        X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
+            return baddbmm(X.mT, X.mT, B, beta=a * s, alpha=s)
+        X = baddbmm(X, B, X, beta=a * s, alpha=s)
         del B
     return X
 
@@ -369,7 +369,7 @@ def iterate_gram(
             break
         if taken == restart_every:
             del R, Z
-            X = torch.bmm(_applied(Q, inv, X.dtype), X, out=_as(free, X.shape))
+            X = bmm(_applied(Q, inv, X.dtype), X, out=_as(free, X.shape))
             free, holder = holder, X
             Q, taken, inv = None, 0, None
             R = gram(X, alpha=s, out_dtype=half, **xx)
@@ -381,8 +381,8 @@ def iterate_gram(
     Q = _applied(Q, inv, X.dtype)
     if transpose_result:  # (Q X)^T = X^T Q^T; Q^T = Q unless AOL's factors are still in it
         Qt = Q.mT if inv is not None and inv.size(-1) > 1 else Q
-        return torch.bmm(X.mT, Qt, out=_as(free, X.mT.shape))
-    return torch.bmm(Q, X, out=_as(free, X.shape))
+        return bmm(X.mT, Qt, out=_as(free, X.mT.shape))
+    return bmm(Q, X, out=_as(free, X.shape))
 
 
 def _as(buffer: Tensor | None, shape: torch.Size) -> Tensor | None:

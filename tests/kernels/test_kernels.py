@@ -7,6 +7,7 @@ decorates the kernel, which must not leak into other tests.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from subprocess_env import run_in_interpreter, run_test_script
 
-from muon_plugin.kernels import gram, triton_available, use_symmetric_kernel
+from muon_plugin.kernels import baddbmm, gram, triton_available, use_symmetric_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,6 +34,13 @@ def test_kernel_matches_reference_in_interpreter():
         assert r["err"] < tol, r
 
 
+def _widened(op, *tensors, **kwargs):
+    """``op`` on fp32 copies of bf16 tensors, rounded once back: what a bf16 product on the CPU
+    is (each product of two bf16 numbers is exact in fp32, the sums run in fp32)."""
+    out = op(*(t.float() for t in tensors), **kwargs)
+    return out.to(tensors[0].dtype)
+
+
 def test_gram_cpu_falls_back_to_torch_exactly():
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -40,18 +48,54 @@ def test_gram_cpu_falls_back_to_torch_exactly():
         C = torch.randn(3, 20, 20, dtype=dtype)
         y = gram(X)
         assert y.dtype == dtype and y.shape == (3, 20, 20)
-        assert torch.equal(y, torch.bmm(X, X.mT))
-        assert torch.equal(gram(X, alpha=0.5), torch.baddbmm(y, X, X.mT, beta=0.0, alpha=0.5))
+        assert torch.equal(y, _widened(torch.bmm, X, X.mT))
         assert torch.equal(
-            gram(X, alpha=2.0, C=C, beta=-3.0), torch.baddbmm(C, X, X.mT, beta=-3.0, alpha=2.0)
+            gram(X, alpha=0.5), _widened(torch.baddbmm, y, X, X.mT, beta=0.0, alpha=0.5)
+        )
+        assert torch.equal(
+            gram(X, alpha=2.0, C=C, beta=-3.0),
+            _widened(torch.baddbmm, C, X, X.mT, beta=-3.0, alpha=2.0),
         )
         X2, C2 = X[0], C[0]
-        assert torch.equal(gram(X2), torch.mm(X2, X2.mT))
+        assert torch.equal(gram(X2), _widened(torch.mm, X2, X2.mT))
         assert torch.equal(
-            gram(X2, alpha=2.0, C=C2, beta=-3.0), torch.addmm(C2, X2, X2.mT, beta=-3.0, alpha=2.0)
+            gram(X2, alpha=2.0, C=C2, beta=-3.0),
+            _widened(torch.addmm, C2, X2, X2.mT, beta=-3.0, alpha=2.0),
         )
         X4 = X.reshape(3, 1, 20, 30)
         assert torch.equal(gram(X4), y.reshape(3, 1, 20, 20))
+        C3 = C.flip(1)
+        assert torch.equal(
+            baddbmm(C3, X, X.mT, beta=0.5, alpha=2.0),
+            _widened(torch.baddbmm, C3, X, X.mT, beta=0.5, alpha=2.0),
+        )
+
+
+def test_no_half_precision_matmul_runs_on_the_cpu():
+    """Every product of an orthogonalization on the CPU runs on fp32 operands (most CPUs
+    emulate bf16 matmuls, about 16x slower than fp32), on the plain bf16 loop and on the fp16
+    Gram-space path, while the input and the result stay bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from muon_plugin.orthogonalize import IterationPath, zeropower
+
+    products = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm}
+    seen: list[tuple[str, torch.dtype]] = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:
+                seen.append((str(func), args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    paths = (IterationPath(), IterationPath("gram", "fp16"))
+    for shape, path in itertools.product(((2, 24, 40), (40, 24)), paths):
+        with Products():
+            out = zeropower(torch.randn(shape), path=path)
+        assert out.dtype == torch.bfloat16 and out.shape == shape
+    assert {name for name, _ in seen} >= {"aten.bmm.default", "aten.baddbmm.default"}, seen
+    assert all(dtype == torch.float32 for _, dtype in seen), seen
 
 
 def test_gram_torch_path_rounding():
