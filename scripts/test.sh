@@ -5,11 +5,13 @@
 # ./.venv (tests/titan03 and tests/torchtune are skipped there), tests/titan03 in
 # ./.venv-titan03, tests/torchtune in ./.venv-torchtune.
 #
-# ./.venv is set up first, in the foreground (./.venv-torchtune shares its packages). Then each
-# other environment is set up and its tests run in the background, while ./.venv's tests run in
-# the foreground (on 2 cores the suites overlap: most tests keep one core busy). The background
-# jobs log to .test-logs/<env>.log; each log is printed when ./.venv's tests are done, and a
-# line a minute says which background jobs are still running.
+# ./.venv is set up first, in the foreground (./.venv-torchtune shares its packages). Then
+# ./.venv's end-to-end runs (the tests marked slow: torchrun jobs, mostly waiting on their
+# workers) run in the background as the job "e2e", and each other environment is set up and
+# its tests run in the background too, while ./.venv's other tests run in the foreground (on 2
+# cores the suites overlap: most tests keep one core busy). The background jobs log to
+# .test-logs/<job>.log; each log is printed when the foreground tests are done, and a line a
+# minute says which background jobs are still running.
 # Extra arguments go to every pytest run, e.g. `bash scripts/test.sh -k distributed`.
 # MUON_PLUGIN_TITAN03=0 skips the torchtitan 0.3 environment, MUON_PLUGIN_TORCHTUNE=0 the
 # torchtune one.
@@ -28,27 +30,31 @@ echo "[test] bytecode: compileall muon_plugin scripts configs tests"
 logs="$root/.test-logs"
 mkdir -p "$logs"
 
-# "NAME FLAG VENV TESTS": an extra environment, its set-up flag, its folder and its tests.
-extra_envs=()
+# "NAME FLAG VENV TESTS": a background job, the set-up flag of its environment ("-": ./.venv,
+# set up above), that environment's folder and pytest's arguments (split at spaces).
+extra_envs=("e2e - $venv -m slow")
 [ "${MUON_PLUGIN_TITAN03:-1}" != 0 ] \
     && extra_envs+=("titan03 --titan03 ${MUON_PLUGIN_VENV_TITAN03:-$root/.venv-titan03} tests/titan03")
 [ "${MUON_PLUGIN_TORCHTUNE:-1}" != 0 ] \
     && extra_envs+=("torchtune --torchtune ${MUON_PLUGIN_VENV_TORCHTUNE:-$root/.venv-torchtune} tests/torchtune")
 
-# extra_job NAME FLAG VENV TESTS ARGS...: set up one extra environment and run its tests (in
-# the background, at nice 10); exit 3 when the set-up failed, else pytest's status (5, nothing
-# selected, counts as 0).
+# extra_job NAME FLAG VENV TESTS ARGS...: set up one extra environment (unless FLAG is "-") and
+# run its tests (in the background, at nice 10); exit 3 when the set-up failed, else pytest's
+# status (5, nothing selected, counts as 0).
 extra_job() {
     local name="$1" flag="$2" env_dir="$3" tests="$4"
     shift 4
     # a lower CPU priority for the job and all it starts: ./.venv's suite in the foreground is
     # the longest path, and the background jobs finish well before it
     renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true
-    echo "[test] $name: scripts/setup_env.sh $flag"
-    bash scripts/setup_env.sh "$flag" || { echo "[test] $name: set-up failed"; return 3; }
-    echo "[test] $name: $env_dir/bin/python -m pytest $tests $*"
+    if [ "$flag" != - ]; then
+        echo "[test] $name: scripts/setup_env.sh $flag"
+        bash scripts/setup_env.sh "$flag" || { echo "[test] $name: set-up failed"; return 3; }
+    fi
+    echo "[test] $name: $env_dir/bin/python -m pytest --durations=15 $tests $*"
     local rc=0
-    MUON_PLUGIN_PYTHON_022="$venv/bin/python" "$env_dir/bin/python" -m pytest "$tests" "$@" \
+    # shellcheck disable=SC2086  # $tests: pytest's arguments, split at spaces
+    MUON_PLUGIN_PYTHON_022="$venv/bin/python" "$env_dir/bin/python" -m pytest --durations=15 $tests "$@" \
         || rc=$?
     [ "$rc" = 5 ] && rc=0
     return "$rc"
@@ -57,7 +63,7 @@ extra_job() {
 declare -A job_pid=()
 for entry in "${extra_envs[@]}"; do
     read -r name flag env_dir tests <<<"$entry"
-    echo "[test] $name: set-up and tests in the background (log: $logs/$name.log)"
+    echo "[test] $name: tests in the background (log: $logs/$name.log)"
     extra_job "$name" "$flag" "$env_dir" "$tests" "$@" >"$logs/$name.log" 2>&1 &
     job_pid[$name]=$!
 done
@@ -76,8 +82,8 @@ done
 ticker=$!
 
 status=0
-echo "[test] $venv/bin/python -m pytest --durations=20 $*"
-"$venv/bin/python" -m pytest --durations=20 "$@" || status=$?
+echo "[test] $venv/bin/python -m pytest -m 'not slow' --durations=20 $*"
+"$venv/bin/python" -m pytest -m "not slow" --durations=20 "$@" || status=$?
 
 for entry in "${extra_envs[@]}"; do
     read -r name _ _ _ <<<"$entry"

@@ -240,7 +240,7 @@ def widen_on_cpu(X: torch.Tensor) -> bool:
     AVX512-BF16 / AMX) emulate bf16 about 16x slower than fp32. The copies cost ``O(mn)``
     beside the ``O(m^2 n)`` product.
     """
-    return X.dtype in _KERNEL_DTYPES and X.device.type == "cpu"
+    return X.is_cpu and X.dtype in _KERNEL_DTYPES
 
 
 def baddbmm(

@@ -1,6 +1,7 @@
 """scripts/train.sh end to end (1 process, debug model, a few steps): a config typo is one line
 before torchrun starts, the run log lands in the dump folder with the summary, a resume applies
-changed settings, and switching optimizers on resume needs (and works with) the flag.
+changed settings, and switching optimizers on resume works with the flag (that it is needed:
+test_torchtitan_resume.py).
 
 Marked slow (each torchrun starts in ~10 s on 2 CPU cores).
 """
@@ -94,10 +95,9 @@ def test_log_summary_resume_and_optimizer_switch(assets: Path, tmp_path: Path) -
     assert "ns_steps: 5 (checkpoint) -> 7 (job) in matrix" in resumed.stdout
     assert "Muon param groups after loading the checkpoint" in resumed.stdout
 
+    # Without the flag the load is refused (test_torchtitan_resume.py, in one process, with
+    # the message); with it, the switch trains on.
     to_adamw = ["--optimizer.name", "AdamW", "--training.steps", "4"]
-    refused = train_sh([*ckpt, *to_adamw], tmp_path, assets)
-    assert refused.returncode != 0
-    assert "holds the state of another optimizer" in refused.stdout + refused.stderr
     exclude = ["--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"]
     switched = train_sh([*ckpt, *to_adamw, *exclude], tmp_path, assets)
     assert switched.returncode == 0, switched.stdout[-4000:]
