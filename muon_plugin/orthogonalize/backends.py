@@ -261,7 +261,11 @@ class _WithoutElementwiseKernels(Backend):
 
 def _schedule(spec: MatrixSpec) -> Schedule:
     coefficients = None if spec.coefficients is None else tuple(spec.coefficients)
-    return coefficient_schedule(spec.strategy, spec.steps, coefficients)
+    # Under torch.compile the uncached function: Dynamo traces through a cache wrapper anyway
+    # (the schedule becomes constants of the graph) and warns about it on every compile.
+    cached = not torch.compiler.is_compiling()
+    build = coefficient_schedule if cached else coefficient_schedule.__wrapped__
+    return build(spec.strategy, spec.steps, coefficients)
 
 
 def _run_uncompiled(backend: Backend, path: ResolvedPath, X: Stack, spec: MatrixSpec) -> Tensor:
