@@ -6,10 +6,10 @@
 # ./.venv-titan03, tests/torchtune in ./.venv-torchtune.
 #
 # ./.venv is set up first, in the foreground (./.venv-torchtune shares its packages). Then
-# ./.venv's end-to-end runs (the tests marked slow: torchrun jobs, mostly waiting on their
-# workers) run in the background as the job "e2e", and each other environment is set up and
-# its tests run in the background too, while ./.venv's other tests run in the foreground (on 2
-# cores the suites overlap: most tests keep one core busy). The background jobs log to
+# ./.venv's end-to-end runs (the tests marked slow: torchrun jobs and the convergence smoke
+# run) run in the background as the job "e2e", and each other environment is set up and its
+# tests run in the background too, while ./.venv's other tests run in the foreground (on 2
+# cores the jobs overlap: most tests keep one core busy). The background jobs log to
 # .test-logs/<job>.log; each log is printed when the foreground tests are done, and a line a
 # minute says which background jobs are still running.
 # Extra arguments go to every pytest run, e.g. `bash scripts/test.sh -k distributed`.
@@ -44,8 +44,8 @@ extra_envs=("e2e - $venv -m slow")
 extra_job() {
     local name="$1" flag="$2" env_dir="$3" tests="$4"
     shift 4
-    # a lower CPU priority for the job and all it starts: ./.venv's suite in the foreground is
-    # the longest path, and the background jobs finish well before it
+    # a lower CPU priority for the job and all it starts: the foreground's many short tests
+    # keep their core, and their progress lines keep coming
     renice -n 10 -p "$BASHPID" >/dev/null 2>&1 || true
     if [ "$flag" != - ]; then
         echo "[test] $name: scripts/setup_env.sh $flag"
