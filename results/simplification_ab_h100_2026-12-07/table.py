@@ -1,10 +1,16 @@
 """The same-call A/B: each figure is the median (range) of a tree's three runs; the ratios are
-to 434f221's medians. Run in the folder holding runs/<tree>_<round>.json."""
+to 434f221's medians. Run in the folder holding runs/<tree>_<round>.json; the argument names the
+commit measured as "head" (default d74501c).
+
+    python table.py [HEAD_COMMIT] > table.md
+"""
 
 import json
 import statistics
+import sys
 
-TREES = {"old": "434f221", "head3": "d74501c, restart interval 3", "head": "d74501c"}
+HEAD = sys.argv[1] if len(sys.argv) > 1 else "d74501c"
+TREES = {"old": "434f221", "head3": f"{HEAD}, restart interval 3", "head": HEAD}
 
 
 def figures():
@@ -34,7 +40,7 @@ def main():
     print(
         "| section | shape / workload | row | "
         + " | ".join(TREES.values())
-        + " | d74501c at interval 3 / 434f221 | d74501c / 434f221 |"
+        + f" | {HEAD} at interval 3 / 434f221 | {HEAD} / 434f221 |"
     )
     print("|" + " --- |" * 8)
     for (section, where, name), per in figures().items():
