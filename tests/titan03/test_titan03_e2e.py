@@ -1,5 +1,8 @@
 """End-to-end torchtitan 0.3 runs with Muon on CPU processes (gloo), through
-``muon_plugin.torchtitan03.train`` and ``configs/titan03_muon.py``.
+``muon_plugin.torchtitan03.train`` (what ``scripts/train.sh`` launches) and
+``configs/titan03_muon.py``. The workers start as torchrun starts them, forked from a server
+that imported torch once (``tests/support/trainer_launch.py``); ``test_titan03_run.py`` runs
+``scripts/train.sh`` itself.
 
 - FSDP=2: trains (loss falls), logs the rule table and the plan; also the reference run;
 - a checkpoint saved under FSDP=2 at step SPLIT resumes under TP=2 with the next losses of the
@@ -21,13 +24,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from qk_clip_log import check_clipping, clip_lines
 from sample_corpus import exact_chunks, write_corpus
+from trainer_launch import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 TAU = 0.7
@@ -57,17 +60,14 @@ def run(
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), "--local-ranks-filter", ranks, "--role", "rank",
-        "--tee", "3", "-m", "muon_plugin.torchtitan03.train",
+    argv = [
         "--module", "configs.titan03_muon", "--config", config,
         "--metrics.disable_color_printing", *args,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
+    result = run_workers("muon_plugin.torchtitan03.train", argv, nproc, env, ROOT, timeout)
+    out = result.output(ranks)
+    if result.returncode != 0:
+        pytest.fail(f"the run failed (rc={result.returncode}):\n{out[-6000:]}")
     return out
 
 

@@ -14,8 +14,10 @@
   resumed runs (TP, FSDP x TP) match the uninterrupted one with it; the first pipeline stage
   clips its own layers.
 
-Marked slow (each torchrun starts in ~10 s on 2 CPU cores); run by default. Six torchrun
-launches in all: each run checks as much as it can, to keep the file's time down.
+Marked slow; run by default. The README's commands (the main job, the deepseek_v3 one) run as a
+user runs them, ``bash scripts/train.sh``; the other runs start their workers as torchrun does,
+forked from a server that imported torch once (``tests/support/trainer_launch.py``: about 8 s
+of imports per worker fewer on 2 cores). Six runs in all: each checks as much as it can.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 from qk_clip_log import check_clipping, clip_lines
 from sample_corpus import exact_chunks, write_corpus
+from trainer_launch import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "llama3_debug_muon.toml"
@@ -57,10 +60,10 @@ def titan_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def finish(proc: subprocess.CompletedProcess) -> str:
-    out = re.sub(r"^\[rank\d+\]:", "", proc.stdout + proc.stderr, flags=re.M)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed (rc={proc.returncode}):\n{out[-6000:]}")
+def finish(returncode: int, output: str) -> str:
+    out = re.sub(r"^\[rank\d+\]:", "", output, flags=re.M)
+    if returncode != 0:
+        pytest.fail(f"the run failed (rc={returncode}):\n{out[-6000:]}")
     return out
 
 
@@ -78,40 +81,19 @@ def run_main_command(
     env.update(NPROC=str(nproc), DATA_DIR=str(data), LOG_RANK="0")
     env.pop("PYTHON", None)
     cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
-    return finish(
-        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return finish(proc.returncode, proc.stdout + proc.stderr)
 
 
 def run_titan(
     args: list[str], tmp: Path, nproc: int = 2, timeout: int = 300, log_rank: int | str = 0
 ) -> str:
-    """torchrun -m torchtitan.train with the debug config; returns the output of ``log_rank``
-    (a rank, or ranks as ``"0,1"``)."""
-    env = titan_env(tmp)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-        "--local-ranks-filter",
-        str(log_rank),
-        "--role",
-        "rank",
-        "--tee",
-        "3",
-        "-m",
-        "torchtitan.train",
-        "--job.config_file",
-        str(CONFIG),
-        "--metrics.disable_color_printing",
-        *args,
-    ]
-    return finish(
-        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    )
+    """``torchrun -m torchtitan.train`` with the debug config (the workers forked from the
+    preloaded server, :mod:`trainer_launch`); returns the output of ``log_rank`` (a rank, or
+    ranks as ``"0,1"``)."""
+    argv = ["--job.config_file", str(CONFIG), "--metrics.disable_color_printing", *args]
+    run = run_workers("torchtitan.train", argv, nproc, titan_env(tmp), ROOT, timeout)
+    return finish(run.returncode, run.output(str(log_rank)))
 
 
 def losses(log: str) -> dict[int, float]:

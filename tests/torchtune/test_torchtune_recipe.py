@@ -18,7 +18,7 @@
   (``tests/support/qk_clip_log.py``); the resumes and TP (heads split over the ranks) match with it;
   with ``compile=True`` (each layer compiled) the recording is traced and the losses are eager's.
 
-Marked slow (each run starts in ~10 s on 2 CPU cores).
+Marked slow (a run takes tens of seconds on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from qk_clip_log import check_clipping
+from trainer_launch import run_workers
 from tt_common import CONFIG, ROOT, data_overrides, offline_env
 
 STEPS, EPOCHS = 4, 2
@@ -53,25 +54,30 @@ def run(tmp: Path, overrides: list[str], via_tune: bool = False) -> str:
     """The recipe on 2 processes with the tiny config; returns stdout + stderr.
 
     ``via_tune``: launched by ``tune run --nproc_per_node 2 muon_plugin/torchtune/...py``;
-    otherwise by what ``tune run`` launches, ``torchrun ... -m muon_plugin.torchtune.
-    full_finetune`` (the same processes, without the ~5 s of the ``tune`` command's imports).
+    otherwise the 2 processes ``tune run`` starts, ``python -m muon_plugin.torchtune.full_finetune``
+    as torchrun starts them, forked from a server that imported torch once
+    (``tests/support/trainer_launch.py``: the ``tune`` command's and each worker's imports,
+    seconds on 2 cores, paid once).
     """
+    argv = ["--config", str(CONFIG), *overrides]
     if via_tune:
         cmd = [str(Path(sys.executable).parent / "tune"), "run", "--nproc_per_node", "2", RECIPE]
+        proc = subprocess.run(
+            [*cmd, *argv],
+            cwd=ROOT,
+            env=offline_env(tmp),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node", "2", "-m", "muon_plugin.torchtune.full_finetune"]
-    proc = subprocess.run(
-        [*cmd, "--config", str(CONFIG), *overrides],
-        cwd=ROOT,
-        env=offline_env(tmp),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"the recipe failed (rc={proc.returncode}):\n{out[-6000:]}")
+        result = run_workers(
+            "muon_plugin.torchtune.full_finetune", argv, 2, offline_env(tmp), ROOT, 240
+        )
+        returncode, out = result.returncode, result.output("0,1")
+    if returncode != 0:
+        pytest.fail(f"the recipe failed (rc={returncode}):\n{out[-6000:]}")
     return out
 
 
