@@ -79,40 +79,35 @@ CASES = {
 folder."""
 
 
-@pytest.fixture(scope="module")
-def config_errors(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
-    """Every case of CASES through train.sh, all at once (each is one short process):
-    ``name -> (exit status, stdout, stderr with {tmp})``."""
-    tmp = tmp_path_factory.mktemp("titan03_errors")
-    (tmp / "bad.toml").write_text(TOML.read_text().replace("ns_steps = 5", "ns_stepz = 5"))
-    procs = {
-        name: subprocess.Popen(
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            **train_sh([a.format(tmp=tmp) for a in args], tmp),
-        )
-        for name, (args, _) in CASES.items()
-    }
-    try:
-        outputs = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return {
-        name: (procs[name].returncode, out, err.replace(str(tmp), "{tmp}"))
-        for name, (out, err) in outputs.items()
-    }
-
-
 @linux_only
+def test_config_error_is_one_line_before_torchrun(tmp_path: Path) -> None:
+    """train.sh with a typo: one line, exit 2, from the check before torchrun (no worker, no
+    log). The other cases take the same path; the check's own function gives their lines
+    (next test)."""
+    args, start = CASES["typo"]
+    proc = subprocess.run(capture_output=True, timeout=300, **train_sh(args, tmp_path))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout == "" and "[rank" not in proc.stderr  # no log, no worker started
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: " + start), proc.stderr
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_config_error_is_one_line_before_torchrun(config_errors: dict, case: str) -> None:
-    code, out, err = config_errors[case]
-    assert code == 2, out[-2000:] + err[-2000:]
-    assert out == "" and "[rank" not in err  # no log, no worker started
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("config error: " + CASES[case][1]), err
+def test_each_config_error_is_one_line(case: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    """What train.sh's check prints for each case of CASES: exit status 2 and one line."""
+    import muon_plugin.torchtitan03.check
+
+    (tmp_path / "bad.toml").write_text(TOML.read_text().replace("ns_steps = 5", "ns_stepz = 5"))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "configs"))
+    args, start = CASES[case]
+    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
+    argv += [a.format(tmp=tmp_path) for a in args]
+    assert muon_plugin.torchtitan03.check.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.replace(str(tmp_path), "{tmp}").splitlines()
+    assert out == "" and len(lines) == 1, err
+    assert lines[0].startswith("config error: " + start), err
 
 
 @linux_only

@@ -1,20 +1,29 @@
 """Eager per-call cost of zeropower / run_path: this tree as it is, and with single pieces swapped
 for the older formulas (prescale, first Gram scaling), to see which piece costs what."""
-import json, statistics, sys, time
+
+import statistics
+import time
+
 import torch
+
 from muon_plugin import zeropower
+
 NEW = hasattr(__import__("muon_plugin.kernels.matrix_scale", fromlist=["x"]), "prescale_")
 
+
 def bench(fn, n=50, reps=7):
-    for _ in range(10): fn()
+    for _ in range(10):
+        fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
         t = time.perf_counter()
-        for _ in range(n): fn()
+        for _ in range(n):
+            fn()
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t) / n * 1e6)
     return statistics.median(out), min(out), max(out)
+
 
 def cases():
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -29,34 +38,47 @@ def cases():
         "zeropower 768x3072": lambda: zeropower(D, 5, "polar_express"),
     }
 
+
 def variants():
     yield "as is", lambda: None
     if NEW:
         import muon_plugin.kernels.matrix_scale as ms
         import muon_plugin.orthogonalize.iterations as it
+
         def old_prescale(X, below, above, kernel=False):
             import math
-            amax = torch.linalg.vector_norm(X, ord=math.inf, dim=tuple(range(1, X.dim())), dtype=torch.float32)
+
+            amax = torch.linalg.vector_norm(
+                X, ord=math.inf, dim=tuple(range(1, X.dim())), dtype=torch.float32
+            )
             big = amax > above
             ms._torch_scale_(X, torch.where(big, torch.exp2(-torch.floor(torch.log2(amax))), 1.0))
+
         def swap_prescale():
             it.prescale_ = old_prescale
+
         yield "old prescale", swap_prescale
-        import muon_plugin.orthogonalize.aol as aol
+
         def old_scaled(R32, f, dtype, extra=1.0):
             return R32.mul_(f * f * extra).to(dtype)
+
         def swap_scaled():
             it.scaled_gram = old_scaled
+
         yield "old prescale + old first-Gram scaling", swap_scaled
+
 
 res = {}
 for name, apply in variants():
     apply()
     for case, fn in cases().items():
-        res[f"{case} | {name}"] = bench(fn)
-        print(f"{case:24s} {name:40s} {res[f'{case} | {name}'][0]:9.1f} us  ({res[f'{case} | {name}'][1]:.1f}-{res[f'{case} | {name}'][2]:.1f})", flush=True)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as p:
+        med, low, high = res[f"{case} | {name}"] = bench(fn)
+        print(f"{case:24s} {name:40s} {med:9.1f} us  ({low:.1f}-{high:.1f})", flush=True)
+with torch.profiler.profile(
+    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+) as p:
     fn = cases()["zeropower 1024x4096"]
-    for _ in range(10): fn()
+    for _ in range(10):
+        fn()
     torch.cuda.synchronize()
 print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
