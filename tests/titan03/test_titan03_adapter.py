@@ -187,18 +187,21 @@ def test_importing_changes_nothing_until_activated() -> None:
         import torchtitan.distributed.utils as d
         from torchtitan.models.common import attention
         before = (u.device_type, d.set_pg_timeouts, flex._validate_device,
-                  attention.FlexAttention._compiled_flex_attn)
+                  attention.FlexAttention._compiled_flex_attn,
+                  attention._compiled_create_block_mask)
         import muon_plugin.torchtitan, muon_plugin.torchtitan.cpu_mode
         import muon_plugin.torchtitan03, muon_plugin.torchtitan03.container
         import muon_plugin.torchtitan03.configs, muon_plugin.torchtitan03.cpu_mode
         import muon_plugin.torchtitan03.override, muon_plugin.torchtitan03.train
         after = (u.device_type, d.set_pg_timeouts, flex._validate_device,
-                 attention.FlexAttention._compiled_flex_attn)
+                 attention.FlexAttention._compiled_flex_attn,
+                 attention._compiled_create_block_mask)
         assert after == before, (before, after)
         assert muon_plugin.torchtitan03.activate() is True
         assert u.device_type == d.device_type == "cpu"
         assert flex._validate_device is not before[2]
         assert attention.FlexAttention._compiled_flex_attn is not before[3]
+        assert attention._compiled_create_block_mask is flex.create_block_mask  # eager masks
         print("OK")
         """
     )
