@@ -1,9 +1,8 @@
 """Kernel-level profile of zeropower on the cuBLAS-only path for this tree (old: env switch)."""
 
 import os
-import statistics
-import time
 
+import timing  # this folder's timer
 import torch
 
 from muon_plugin import zeropower
@@ -17,18 +16,8 @@ def call(X):
     return zeropower(X, 5, "polar_express", backend="cublas")
 
 
-def bench(fn, n=20, reps=7):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) / n * 1e3)
-    return statistics.median(out), min(out), max(out)
+def bench(fn):
+    return timing.bench(fn, n=20, reps=7, warmup=5, unit=1e-3)
 
 
 g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,9 +1,7 @@
 """Eager per-call cost of zeropower / run_path: this tree as it is, and with single pieces swapped
 for the older formulas (prescale, first Gram scaling), to see which piece costs what."""
 
-import statistics
-import time
-
+import timing  # this folder's timer
 import torch
 
 from muon_plugin import zeropower
@@ -11,18 +9,8 @@ from muon_plugin import zeropower
 NEW = hasattr(__import__("muon_plugin.kernels.matrix_scale", fromlist=["x"]), "prescale_")
 
 
-def bench(fn, n=50, reps=7):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(out), min(out), max(out)
+def bench(fn):
+    return timing.bench(fn, n=50, reps=7, warmup=10, unit=1e-6)
 
 
 def cases():
