@@ -118,7 +118,20 @@ def run_workers(
     target: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
 ) -> Run:
     """``torchrun --standalone --nproc_per_node NPROC -m TARGET ARGV`` with environment
-    ``env`` in ``cwd``, the workers forked from the preloaded server; ``timeout`` in seconds."""
+    ``env`` in ``cwd``, the workers forked from the preloaded server; ``timeout`` in seconds.
+
+    The free port can be taken by another program between probing and binding it (torchrun's
+    own rendezvous has no such gap): a run that failed with ``EADDRINUSE`` is started once more
+    on a new port."""
+    run = _run_once(target, argv, nproc, env, cwd, timeout)
+    if run.returncode not in (0, 124) and any("EADDRINUSE" in out for out in run.outputs):
+        run = _run_once(target, argv, nproc, env, cwd, timeout)
+    return run
+
+
+def _run_once(
+    target: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
+) -> Run:
     with tempfile.TemporaryDirectory(prefix="trainer-logs-") as logs:
         args = (nproc, free_port(), target, list(argv), dict(env), str(cwd), logs)
         ctx = mp.start_processes(
