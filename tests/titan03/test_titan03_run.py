@@ -79,6 +79,15 @@ CASES = {
 folder."""
 
 
+@pytest.fixture
+def check_argv(monkeypatch) -> list[str]:
+    """The check's arguments for CONFIG, as train.sh passes them, run from the repository root
+    with ``configs/`` importable."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "configs"))
+    return ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
+
+
 @linux_only
 def test_config_error_is_one_line_before_torchrun(tmp_path: Path) -> None:
     """train.sh with a typo: one line, exit 2, from the check before torchrun (no worker, no
@@ -93,16 +102,13 @@ def test_config_error_is_one_line_before_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_each_config_error_is_one_line(case: str, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_each_config_error_is_one_line(case: str, tmp_path: Path, capsys, check_argv) -> None:
     """What train.sh's check prints for each case of CASES: exit status 2 and one line."""
     import muon_plugin.torchtitan03.check
 
     (tmp_path / "bad.toml").write_text(TOML.read_text().replace("ns_steps = 5", "ns_stepz = 5"))
-    monkeypatch.chdir(ROOT)
-    monkeypatch.syspath_prepend(str(ROOT / "configs"))
     args, start = CASES[case]
-    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
-    argv += [a.format(tmp=tmp_path) for a in args]
+    argv = [*check_argv, *(a.format(tmp=tmp_path) for a in args)]
     assert muon_plugin.torchtitan03.check.main(argv) == 2
     out, err = capsys.readouterr()
     lines = err.replace(str(tmp_path), "{tmp}").splitlines()
@@ -225,15 +231,14 @@ def test_tyro_boxes_become_one_line() -> None:
     )
 
 
-def test_the_check_lists_the_paths_the_job_reads(capsys, monkeypatch) -> None:
+def test_the_check_lists_the_paths_the_job_reads(capsys, check_argv) -> None:
     """After the dump folder, every ``*_path`` the job reads (what train.sh decides on whether
     to build the local corpus), overrides included, absolute."""
     import muon_plugin.torchtitan03.check
 
-    monkeypatch.chdir(ROOT)
-    monkeypatch.syspath_prepend(str(ROOT / "configs"))
-    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
-    assert muon_plugin.torchtitan03.check.main([*argv, "--dataloader.dataset_path", "/c"]) == 0
+    assert (
+        muon_plugin.torchtitan03.check.main([*check_argv, "--dataloader.dataset_path", "/c"]) == 0
+    )
     root = ROOT.resolve()
     assert capsys.readouterr().out.splitlines() == [
         "./outputs/llama3_debug_muon",
