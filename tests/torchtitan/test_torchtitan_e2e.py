@@ -1,7 +1,9 @@
 """End-to-end torchtitan runs with optimizer.name = "muon": 2 processes (torchrun), gloo on CPU.
 
-- the debug config trains (loss falls), validates on the held-out split of the local corpus and
-  logs the Muon/AdamW groups and the plan;
+- the debug config trains (loss falls), validates on the held-out split of the local corpus,
+  logs the Muon/AdamW groups and the plan, and writes train.sh's run log with the end-of-run
+  summary; its last checkpoint (FSDP 2) resumes in 1 process with changed Muon options, which
+  win and are logged, then switches to AdamW with the optimizer's state left out;
 - a checkpoint saved under FSDP=2 resumes under TP=2 and under FSDP 2 x TP 2 (4 processes) with
   the losses of the uninterrupted run that saved it; these runs use NorMuon
   (``normalization = "normuon"``), so the per-row second moments are resharded too (row shards
@@ -17,11 +19,14 @@
 Marked slow; run by default. The README's commands (the main job, the deepseek_v3 one) run as a
 user runs them, ``bash scripts/train.sh``; the other runs start their workers as torchrun does,
 forked from a server that imported torch once (``tests/support/trainer_launch.py``: about 8 s
-of imports per worker fewer on 2 cores). Six runs in all: each checks as much as it can.
+of imports per worker fewer on 2 cores), as does the switch to AdamW. Eight runs in all (the
+README's two commands, the resume and the switch, the FSDP 2 run and its two resumes, the
+pipeline run): each checks as much as it can.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -67,21 +72,28 @@ def finish(returncode: int, output: str) -> str:
     return out
 
 
-def run_main_command(
+def main_command(
     args: list[str],
     tmp: Path,
     data: Path,
     timeout: int = 400,
     config: Path = CONFIG,
     nproc: int = 2,
-) -> str:
+) -> subprocess.CompletedProcess:
     """The README's main command, ``bash scripts/train.sh CONFIG ...``, on ``nproc`` CPU
-    processes (2 unless given)."""
+    processes (2 unless given), finished (a failed run fails the test)."""
     env = titan_env(tmp)
     env.update(NPROC=str(nproc), DATA_DIR=str(data), LOG_RANK="0")
     env.pop("PYTHON", None)
     cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    finish(proc.returncode, proc.stdout + proc.stderr)
+    return proc
+
+
+def run_main_command(args: list[str], tmp: Path, data: Path, **kw) -> str:
+    """:func:`main_command`'s output (stdout and stderr, rank prefixes removed)."""
+    proc = main_command(args, tmp, data, **kw)
     return finish(proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -132,13 +144,28 @@ VALIDATION = [
 ]
 
 
-def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
-    """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job), with
-    torchtitan's validator on the corpus's held-out split and QK-Clip."""
-    steps = 12
-    args = local_run_args(assets, tmp_path / "out", steps) + VALIDATION + QK_CLIP
+MAIN_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def main_run(assets: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job) for
+    MAIN_STEPS steps, with torchtitan's validator on the corpus's held-out split, QK-Clip and
+    checkpoints (steps 6 and 12); the run and its dump folder."""
+    tmp = tmp_path_factory.mktemp("main_run")
+    dump = tmp / "out"
+    args = local_run_args(assets, dump, MAIN_STEPS) + VALIDATION + QK_CLIP
     args += ["--validation.dataset_path", str(assets / "corpus_val")]
-    log = run_main_command(args, tmp_path, assets)
+    args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
+    return main_command(args, tmp, assets), dump
+
+
+def test_main_command_trains_with_muon(main_run, assets: Path) -> None:
+    """The README's main job trains, validates, logs its groups, plan and clips, and writes its
+    log with the end-of-run summary where train.sh says."""
+    proc, dump = main_run
+    log = finish(proc.returncode, proc.stdout + proc.stderr)
+    steps = MAIN_STEPS
     got = losses(log)
     assert re.search(r"validate step:\s*6\s+loss:\s*[0-9.]+", log), log[-3000:]
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
@@ -158,6 +185,66 @@ def test_main_command_trains_with_muon(assets: Path, tmp_path: Path) -> None:
     assert "QK-Clip: tau 0.7, alpha 0.5; 6 attention layers (multi-head), 96 query heads" in log
     lines = check_clipping(log, TAU)
     assert len(lines) == steps  # one per logged training step (validation steps add none)
+
+    # train.sh's own lines, and the log it writes (every rank's files beside it)
+    out = proc.stdout.splitlines()
+    first = next(i for i, line in enumerate(out) if line.startswith("train.sh: log: "))
+    assert all(line.startswith(("[train] environment", "[setup_env]")) for line in out[:first])
+    out = out[first:]
+    assert out[0].startswith(f"train.sh: log: {dump}/logs/") and out[-1] == out[0]
+    assert out[1:3] == [
+        f"[train] data: scripts/prepare_data.py --out {assets}",
+        f"[prepare_data] {assets} is up to date: corpus sha256 "
+        + json.loads((assets / "manifest.json").read_text())["corpus_sha256"][:16]
+        + " (from torch 2.13.0, torchtitan 0.2.2)",
+    ]
+    log_file = Path(out[0].split()[2])
+    text = log_file.read_text()
+    assert f"Run summary: {steps} logged steps (1-{steps})" in text
+    assert "loss: final " in text and "tokens/s over all ranks" in text
+    assert f"checkpoints: {dump}/checkpoint (step-6, step-{steps})" in text
+    ranks = list((log_file.parent / "ranks").rglob("stdout.log"))
+    assert ranks and "Run summary" in ranks[0].read_text()
+
+
+def test_resume_applies_changed_options_and_switches_optimizers(
+    main_run, assets: Path, tmp_path: Path
+) -> None:
+    """The main job's last checkpoint (FSDP 2) resumed by train.sh in 1 process with changed
+    Muon options: the job's settings win and the change is logged (the Muon state resharded
+    from 2 ranks to 1; torchtitan's dataloader cannot be, so its state is left out); then,
+    with the flag that leaves the optimizer's state out, a switch to AdamW trains on (without
+    it the load is refused: test_torchtitan_resume.py, in one process, with the message)."""
+    proc, dump = main_run
+    assert proc.returncode == 0
+    common = [
+        "--model.hf_assets_path", str(assets / "tokenizer"),
+        "--training.dataset_path", str(assets / "corpus"),
+        "--metrics.disable_color_printing",
+        "--job.dump_folder", str(dump), "--checkpoint.enable", *QK_CLIP,
+    ]  # fmt: skip
+    changed = ["--optimizer.muon.ns_steps", "7", "--optimizer.muon.norm_weight_decay", "0.05"]
+    unread = tmp_path / "unread"  # DATA_DIR, which this job does not read: left alone
+    env = titan_env(tmp_path)
+    env.update(NPROC="1", DATA_DIR=str(unread))
+    env.pop("PYTHON", None)
+    steps = ["--training.steps", str(MAIN_STEPS + 1)]
+    no_data = ["--checkpoint.exclude_from_loading", "dataloader"]
+    cmd = ["bash", "scripts/train.sh", str(CONFIG), *common, *steps, *changed, *no_data]
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    out = finish(resumed.returncode, resumed.stdout + resumed.stderr)
+    assert (
+        f"[train] data: the job reads nothing in {unread}, so scripts/prepare_data.py is not run"
+    ) in resumed.stdout.splitlines()
+    assert not unread.exists()
+    assert "ns_steps: 5 (checkpoint) -> 7 (job) in matrix" in out
+    assert "Muon param groups after loading the checkpoint" in out
+    assert f"Training starts at step {MAIN_STEPS + 1}" in out
+
+    to_adamw = ["--optimizer.name", "AdamW", "--training.steps", str(MAIN_STEPS + 2)]
+    exclude = ["--checkpoint.exclude_from_loading", "optimizer,lr_scheduler,dataloader"]
+    switched = run_titan([*common, *to_adamw, *exclude], tmp_path, nproc=1)
+    assert f"Training starts at step {MAIN_STEPS + 2}" in switched
 
 
 TOTAL, SPLIT, BATCH = 8, 4, 2
