@@ -38,6 +38,10 @@ bash scripts/setup_env.sh
 # Python from writing it (about 0.2 s per process; __pycache__ is ignored by git).
 echo "[test] bytecode: compileall muon_plugin scripts configs tests"
 "$venv/bin/python" -m compileall -q -j 0 muon_plugin scripts configs tests >/dev/null
+# The environments are installed without pip's byte-compilation of every module
+# (scripts/setup_env.sh): a module none of its warm-up imports reached gets its bytecode written
+# by the first test process that imports it, not compiled again by each of the hundreds that do.
+unset PYTHONDONTWRITEBYTECODE
 
 # "NAME FLAG VENV TESTS": a background job, the set-up flag of its environment ("-": ./.venv,
 # set up above), that environment's folder and pytest's arguments (split at spaces).

@@ -27,6 +27,7 @@ STUB = """#!/usr/bin/env bash
 echo "$*" >>"$STUB_LOG"
 case "$1" in
     -c)  # torch exists once a pip install of it was recorded (then: the release it named)
+        [[ "$2" == import* && "$2" != *print* ]] && exit 0  # the bytecode of what runs import
         pin="$(grep -v -- --dry-run "$STUB_LOG" | grep -o 'torch==[0-9.]*' | tail -1 | cut -d= -f3)"
         [[ -n "$pin" && "$2" == *print* ]] && { echo "$pin+cpu"; exit 0; }; exit 1 ;;
     -m)
@@ -83,6 +84,13 @@ def run_setup(tmp_path: Path, index: str, *args: str) -> tuple[str, list[str]]:
     return proc.stdout, log.read_text().splitlines()
 
 
+def warmed(calls: list[str], imports: str) -> bool:
+    """Whether the modules' bytecode was written (``imports``, the python command line) after
+    the last install."""
+    installs = [i for i, c in enumerate(calls) if c.startswith("-m pip install")]
+    return imports in calls and calls.index(imports) > installs[-1]
+
+
 def pip_installs(calls: list[str]) -> list[str]:
     return [c for c in calls if c.startswith("-m pip install") and "--dry-run" not in c]
 
@@ -108,6 +116,9 @@ def test_cpu_build_from_the_cpu_index_when_it_answers(tmp_path, cpu_index):
     installs = pip_installs(calls)
     assert installs[0].endswith(f"--extra-index-url {cpu_index} torch==2.13.0+cpu"), installs
     assert installs[1].endswith(f"-e {ROOT}[dev]"), installs
+    # no byte-compilation of every installed module; the bytecode of what runs import, after
+    assert all("--no-compile" in c for c in installs), installs
+    assert warmed(calls, "-c import torch, torchtitan.train, muon_plugin.torchtitan, pytest")
     assert f"installing the CPU build torch==2.13.0+cpu from {cpu_index}" in out, out
     steps = [line for line in out.splitlines() if line.startswith("[setup_env]")]
     assert any("torchtitan==0.2.2" in line for line in steps), out  # what is being installed
@@ -154,6 +165,7 @@ def test_titan03_environment_pins_torch_2_14(tmp_path, cpu_index):
     installs = pip_installs(calls)
     assert installs[0].endswith(f"--extra-index-url {cpu_index} torch==2.14.1+cpu"), installs
     assert installs[1].endswith(f"-e {ROOT}[torchtitan03]"), installs
+    assert warmed(calls, "-c import torch, torchtitan.train, muon_plugin.torchtitan03, pytest")
     done = [line for line in out.splitlines() if line.startswith("[setup_env] done in ")]
     assert done and done[0].endswith(f"torch 2.14.1+cpu in {tmp_path / 'venv'}"), out
 
@@ -172,4 +184,7 @@ def test_torchtune_environment_pins_torch_2_13(tmp_path, cpu_index):
     installs = pip_installs(calls)
     assert installs[0].endswith(f"--extra-index-url {cpu_index} torch==2.13.0+cpu"), installs
     assert installs[1].endswith(f"-e {ROOT}[torchtune]"), installs
+    assert warmed(
+        calls, "-c import torch, torchtune.training, torchao, muon_plugin.torchtune, pytest"
+    )
     assert any("torchtune==0.6.1" in line for line in out.splitlines()), out
