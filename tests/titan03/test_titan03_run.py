@@ -4,7 +4,8 @@
   line naming the key, exit 2, from ``muon_plugin.torchtitan03.check`` before torchrun starts;
 - a 4-step run writes its log to ``DUMP_FOLDER/logs/<date-time>/train.log`` (and every rank's
   files) with the end-of-run summary, which only activating the plugin installs; a resume of
-  its step-2 checkpoint with a changed Muon option trains with the job's option;
+  its step-2 checkpoint with a changed Muon option (the same job, its worker forked as torchrun
+  starts it: ``tests/support/trainer_launch.py``) trains with the job's option;
 - tyro's boxed errors become the same one-line form as on torchtitan 0.2.2.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainer_launch import run_workers
 
 from muon_plugin.param_groups.messages import one_line, unrecognized_options
 
@@ -143,13 +145,17 @@ def test_run_writes_the_log_with_the_summary_and_resumes_with_a_changed_option(
     ranks = list((log_file.parent / "ranks").rglob("stdout.log"))
     assert ranks and "Run summary" in ranks[0].read_text()
 
+    # the resume: the same job, its worker forked as torchrun starts it (trainer_launch)
     resumed = tmp_path / "resumed"
     shutil.copytree(dump / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
     more = ["--optimizer.muon.ns_steps", "1"]
-    kwargs = train_sh(["--dump_folder", str(resumed), *args, *more], tmp_path, assets)
-    proc = subprocess.run(capture_output=True, timeout=300, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    again = Path(proc.stdout.splitlines()[0].split()[2]).read_text()
+    job = [str(resumed) if a == str(dump) else a for a in kwargs["args"][3:]]  # train.sh's
+    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon", *job, *more]
+    env = kwargs["env"]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "configs"), env["PYTHONPATH"]])
+    run = run_workers("muon_plugin.torchtitan03.train", argv, 1, env, ROOT, 300)
+    again = run.output("0")
+    assert run.returncode == 0, again[-4000:]
     assert "ns_steps: 5 (checkpoint) -> 1 (job) in matrix" in again, again[-3000:]
     first, second = losses(text), losses(again)
     assert sorted(second) == [3, 4], second
