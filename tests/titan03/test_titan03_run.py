@@ -26,6 +26,8 @@ from muon_plugin.param_groups.messages import one_line, unrecognized_options
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/titan03_muon.py:llama3_debug_muon"
+JOB = ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
+"""CONFIG as train.sh hands it to the check and the workers (``configs/`` importable)."""
 TOML = ROOT / "configs" / "llama3_debug_muon.toml"
 
 LOSS_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
@@ -47,13 +49,18 @@ def train_sh(args: list[str], tmp: Path, data: Path | None = None) -> dict[str, 
     env.pop("OMP_NUM_THREADS", None)
     if data is not None:
         env.update(DATA_DIR=str(data), SKIP_PREPARE_DATA="1")
-        args = [
-            "--hf_assets_path", str(data / "tokenizer"),
-            "--dataloader.dataset_path", str(data / "corpus"),
-            "--metrics.disable_color_printing", *args,
-        ]  # fmt: skip
+        args = [*data_args(data), *args]
     cmd = ["bash", "scripts/train.sh", CONFIG, *args]
     return {"args": cmd, "cwd": ROOT, "env": env, "text": True}
+
+
+def data_args(data: Path) -> list[str]:
+    """The job's overrides that read the corpus and tokenizer in ``data``."""
+    return [
+        "--hf_assets_path", str(data / "tokenizer"),
+        "--dataloader.dataset_path", str(data / "corpus"),
+        "--metrics.disable_color_printing",
+    ]  # fmt: skip
 
 
 def losses(log: str) -> dict[int, float]:
@@ -87,7 +94,7 @@ def check_argv(monkeypatch) -> list[str]:
     with ``configs/`` importable."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT / "configs"))
-    return ["--module", "titan03_muon", "--config", "llama3_debug_muon"]
+    return list(JOB)
 
 
 @linux_only
@@ -149,8 +156,7 @@ def test_run_writes_the_log_with_the_summary_and_resumes_with_a_changed_option(
     resumed = tmp_path / "resumed"
     shutil.copytree(dump / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
     more = ["--optimizer.muon.ns_steps", "1"]
-    job = [str(resumed) if a == str(dump) else a for a in kwargs["args"][3:]]  # train.sh's
-    argv = ["--module", "titan03_muon", "--config", "llama3_debug_muon", *job, *more]
+    argv = [*JOB, *data_args(assets), "--dump_folder", str(resumed), *args, *more]
     env = kwargs["env"]
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "configs"), env["PYTHONPATH"]])
     run = run_workers("muon_plugin.torchtitan03.train", argv, 1, env, ROOT, 300)

@@ -79,22 +79,16 @@ def main_command(
     timeout: int = 400,
     config: Path = CONFIG,
     nproc: int = 2,
-) -> subprocess.CompletedProcess:
+) -> tuple[subprocess.CompletedProcess, str]:
     """The README's main command, ``bash scripts/train.sh CONFIG ...``, on ``nproc`` CPU
-    processes (2 unless given), finished (a failed run fails the test)."""
+    processes (2 unless given), ``DATA_DIR`` ``data``; the finished run (a failed one fails
+    the test) and its output (stdout and stderr, rank prefixes removed)."""
     env = titan_env(tmp)
     env.update(NPROC=str(nproc), DATA_DIR=str(data), LOG_RANK="0")
     env.pop("PYTHON", None)
     cmd = ["bash", "scripts/train.sh", str(config), "--metrics.disable_color_printing", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    finish(proc.returncode, proc.stdout + proc.stderr)
-    return proc
-
-
-def run_main_command(args: list[str], tmp: Path, data: Path, **kw) -> str:
-    """:func:`main_command`'s output (stdout and stderr, rank prefixes removed)."""
-    proc = main_command(args, tmp, data, **kw)
-    return finish(proc.returncode, proc.stdout + proc.stderr)
+    return proc, finish(proc.returncode, proc.stdout + proc.stderr)
 
 
 def run_titan(
@@ -148,23 +142,23 @@ MAIN_STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def main_run(assets: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def main_run(assets: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, str, Path]:
     """``bash scripts/train.sh configs/llama3_debug_muon.toml`` (the README's main job) for
     MAIN_STEPS steps, with torchtitan's validator on the corpus's held-out split, QK-Clip and
-    checkpoints (steps 6 and 12); the run and its dump folder."""
+    checkpoints (steps 6 and 12); the run, its output and its dump folder."""
     tmp = tmp_path_factory.mktemp("main_run")
     dump = tmp / "out"
     args = local_run_args(assets, dump, MAIN_STEPS) + VALIDATION + QK_CLIP
     args += ["--validation.dataset_path", str(assets / "corpus_val")]
     args += ["--checkpoint.enable", "--checkpoint.interval", "6"]
-    return main_command(args, tmp, assets), dump
+    proc, log = main_command(args, tmp, assets)
+    return proc, log, dump
 
 
 def test_main_command_trains_with_muon(main_run, assets: Path) -> None:
     """The README's main job trains, validates, logs its groups, plan and clips, and writes its
     log with the end-of-run summary where train.sh says."""
-    proc, dump = main_run
-    log = finish(proc.returncode, proc.stdout + proc.stderr)
+    proc, log, dump = main_run
     steps = MAIN_STEPS
     got = losses(log)
     assert re.search(r"validate step:\s*6\s+loss:\s*[0-9.]+", log), log[-3000:]
@@ -215,24 +209,13 @@ def test_resume_applies_changed_options_and_switches_optimizers(
     from 2 ranks to 1; torchtitan's dataloader cannot be, so its state is left out); then,
     with the flag that leaves the optimizer's state out, a switch to AdamW trains on (without
     it the load is refused: test_torchtitan_resume.py, in one process, with the message)."""
-    proc, dump = main_run
-    assert proc.returncode == 0
-    common = [
-        "--model.hf_assets_path", str(assets / "tokenizer"),
-        "--training.dataset_path", str(assets / "corpus"),
-        "--metrics.disable_color_printing",
-        "--job.dump_folder", str(dump), "--checkpoint.enable", *QK_CLIP,
-    ]  # fmt: skip
+    _, _, dump = main_run
+    job = ["--checkpoint.enable", *QK_CLIP]
     changed = ["--optimizer.muon.ns_steps", "7", "--optimizer.muon.norm_weight_decay", "0.05"]
-    unread = tmp_path / "unread"  # DATA_DIR, which this job does not read: left alone
-    env = titan_env(tmp_path)
-    env.update(NPROC="1", DATA_DIR=str(unread))
-    env.pop("PYTHON", None)
-    steps = ["--training.steps", str(MAIN_STEPS + 1)]
     no_data = ["--checkpoint.exclude_from_loading", "dataloader"]
-    cmd = ["bash", "scripts/train.sh", str(CONFIG), *common, *steps, *changed, *no_data]
-    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    out = finish(resumed.returncode, resumed.stdout + resumed.stderr)
+    unread = tmp_path / "unread"  # DATA_DIR, which this job does not read: left alone
+    args = local_run_args(assets, dump, MAIN_STEPS + 1) + job + changed + no_data
+    resumed, out = main_command(args, tmp_path, unread, nproc=1)
     assert (
         f"[train] data: the job reads nothing in {unread}, so scripts/prepare_data.py is not run"
     ) in resumed.stdout.splitlines()
@@ -241,9 +224,10 @@ def test_resume_applies_changed_options_and_switches_optimizers(
     assert "Muon param groups after loading the checkpoint" in out
     assert f"Training starts at step {MAIN_STEPS + 1}" in out
 
-    to_adamw = ["--optimizer.name", "AdamW", "--training.steps", str(MAIN_STEPS + 2)]
+    to_adamw = ["--optimizer.name", "AdamW"]
     exclude = ["--checkpoint.exclude_from_loading", "optimizer,lr_scheduler,dataloader"]
-    switched = run_titan([*common, *to_adamw, *exclude], tmp_path, nproc=1)
+    args = local_run_args(assets, dump, MAIN_STEPS + 2) + job + to_adamw + exclude
+    switched = run_titan(args, tmp_path, nproc=1)
     assert f"Training starts at step {MAIN_STEPS + 2}" in switched
 
 
@@ -399,7 +383,7 @@ def test_deepseek_v3_mla_clips_with_muon(assets: Path, tmp_path: Path) -> None:
     config = ROOT / "configs" / "deepseek_v3_debug_muon.toml"
     tau = 0.6  # one process: its first logits are lower than under FSDP=2's larger batch
     args = [*local_run_args(assets, tmp_path / "ds", steps), "--optimizer.muon.qk_clip_tau", "0.6"]
-    log = run_main_command(args, tmp_path, assets, config=config, nproc=1)  # the README's command
+    log = main_command(args, tmp_path, assets, config=config, nproc=1)[1]  # the README's command
     got = losses(log)
     assert sorted(got) == list(range(1, steps + 1)), log[-3000:]
     assert "6 attention layers (6 MLA), 96 query heads" in log, log[-3000:]
