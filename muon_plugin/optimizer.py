@@ -37,7 +37,12 @@ from muon_plugin.kernels.tuning_cache import read_tuning_settings
 from muon_plugin.orthogonalize import MatrixSpec, environment_overrides
 from muon_plugin.parameters import local
 from muon_plugin.plan_cache import PlanCache
-from muon_plugin.row_state import ROW_STATE_KEY, group_row_states, restore_row_state
+from muon_plugin.row_state import (
+    ROW_STATE_KEY,
+    CheckedRows,
+    group_row_states,
+    restore_row_state,
+)
 from muon_plugin.state_dict import (
     check_group_sizes,
     fill_missing_settings,
@@ -206,6 +211,7 @@ class Muon(CopyableOptimizer):
             **named,
         )
         self._plans = PlanCache()
+        self._checked_rows: CheckedRows = {}
         self.replicate_group = replicate_group
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0
@@ -219,6 +225,7 @@ class Muon(CopyableOptimizer):
     def _rebuild_caches(self) -> None:
         """Rebuild what derives from the param groups after a copy (subclasses extend this)."""
         self._forget_plan()
+        self._checked_rows = {}
 
     def _forget_plan(self) -> None:
         """Drop the cached plan: the next step builds it again."""
@@ -277,7 +284,7 @@ class Muon(CopyableOptimizer):
             specs += [spec] * len(ps)
             settings.append(group_settings(group, len(ps), self.backend_overrides))
             momenta += self._momentum_states(group, ps)
-            rows += group_row_states(self.state, group, ps, spec)
+            rows += group_row_states(self.state, group, ps, spec, self._checked_rows)
         if not params:
             return
         skipped = functional.muon(

@@ -73,25 +73,44 @@ def restore_row_state(p: Tensor, saved: Tensor, spec: MatrixSpec) -> Tensor:
     return match_layout(p, saved.to(torch.float32), placements)
 
 
+CheckedRows = dict[Tensor, tuple[Tensor, torch.Size, bool, Tensor]]
+"""Per parameter, the row state last checked for it, with what the check depended on (its shape
+and whether its matrices are flattened) and the checked local tensor."""
+
+
 def group_row_states(
     state: MutableMapping[Tensor, dict[str, Any]],
     group: Mapping[str, Any],
     ps: list[Tensor],
     spec: MatrixSpec,
+    checked: CheckedRows | None = None,
 ) -> list[Tensor | None]:
     """The local per-row states of ``ps`` (Muon parameters of ``group`` with gradients), each
     created zero where ``state`` (the optimizer's) has none and checked against its parameter;
-    Nones when the group does not normalize rows."""
+    Nones when the group does not normalize rows.
+
+    ``checked`` (the caller's, kept between steps) skips the check of a state already checked
+    for the same parameter, shape and flattening: the step's host work before its first kernel
+    stays that of Muon's (a state replaced, by a load or by hand, is checked again).
+    """
     if spec.normalization is None:
         return [None] * len(ps)
     out: list[Tensor | None] = []
     for p in ps:
         entry = state[p]
-        if ROW_STATE_KEY not in entry:
-            entry[ROW_STATE_KEY] = zero_row_state(p, spec)
+        saved = entry.get(ROW_STATE_KEY)
+        if saved is None:
+            saved = entry[ROW_STATE_KEY] = zero_row_state(p, spec)
+        hit = None if checked is None else checked.get(p)
+        if hit is not None and hit[0] is saved and hit[1] == p.shape and hit[2] == spec.flatten:
+            out.append(hit[3])
+            continue
         try:
-            out.append(check_row_state(p, entry[ROW_STATE_KEY], spec))
+            got = check_row_state(p, saved, spec)
         except ValueError as e:
             i = next(i for i, q in enumerate(group["params"]) if q is p)
             raise ValueError(f"the state of {describe(group, i, p)}: {e}") from None
+        if checked is not None:
+            checked[p] = (saved, p.shape, spec.flatten, got)
+        out.append(got)
     return out

@@ -8,8 +8,10 @@ time (CUDA events), the time some kernel was running on the GPU (the union of ke
 the rest is the GPU waiting for the host or for a dependency), the summed kernel time over all
 streams, the kernel count, and the kernels grouped by name with their share. Before profiling,
 the host's time in ``step()`` (until it returns, the GPU not waited for) beside the step's wall
-time, unprofiled: where the two are close, the step is bound by the host. ``--trace`` also
-writes a Chrome trace.
+time, unprofiled: where the two are close, the step is bound by the host. ``--timeline`` adds,
+for the last profiled step, where the GPU waited: the time from the host's entry into
+``step()`` to the first kernel, the idle gaps between kernels with the kernels around them,
+and the step's last kernels. ``--trace`` also writes a Chrome trace.
 """
 
 from __future__ import annotations
@@ -113,6 +115,47 @@ def report(prof: torch.profiler.profile, steps: int, wall_ms: list[float], top: 
     return "\n".join(lines)
 
 
+def timeline(prof: torch.profiler.profile, gaps: int = 12, tail: int = 12) -> str:
+    """The last profiled step's GPU timeline: lead, idle gaps (largest first), last kernels."""
+    steps = sorted(
+        e.time_range.start
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("Optimizer.step#")
+    )
+    if not steps:
+        return "timeline: no Optimizer.step range in the profile"
+    t0 = steps[-1]
+    kernels = sorted(
+        (e for e in kernel_events(prof) if e.time_range.start >= t0),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return "timeline: no kernel after the last step's start"
+    lines = [
+        f"last step's timeline (us from the host's entry into step()): first kernel at "
+        f"{kernels[0].time_range.start - t0:.1f}, last kernel done at "
+        f"{max(e.time_range.end for e in kernels) - t0:.1f}"
+    ]
+    idle, end, before = [], kernels[0].time_range.end, kernels[0]
+    for e in kernels[1:]:
+        if e.time_range.start > end:
+            idle.append((e.time_range.start - end, end - t0, before.name, e.name))
+        if e.time_range.end > end:
+            end, before = e.time_range.end, e
+    lines.append(
+        f"idle between kernels: {sum(g[0] for g in idle):.1f} us in {len(idle)} gaps; largest:"
+    )
+    for gap, at, a, b in sorted(idle, reverse=True)[:gaps]:
+        lines.append(f"  {gap:7.1f} us at {at:8.1f}: {a[:45]} -> {b[:45]}")
+    lines.append("last kernels (start, duration us, stream):")
+    for e in kernels[-tail:]:
+        lines.append(
+            f"  {e.time_range.start - t0:8.1f} {e.time_range.elapsed_us():7.1f} "
+            f"{e.thread:>3}  {e.name[:70]}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["gpt", "llama"], default="gpt")
@@ -121,6 +164,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", type=Path, help="write a Chrome trace here")
+    p.add_argument("--timeline", action="store_true", help="the last step's GPU timeline")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE set before building")
     args = p.parse_args()
     for kv in args.env:
@@ -152,6 +196,8 @@ def main() -> None:
         f"wall {median(timed):.3f} ms (host / wall {median(host) / median(timed):.2f})"
     )
     print(report(prof, args.steps, wall, args.top))
+    if args.timeline:
+        print(timeline(prof))
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
 

@@ -124,9 +124,15 @@ class Executor:
         for streams in self._side_streams.values():  # the graphs' results are read below
             for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
+        # Every group's row factors first, so that their kernels run back to back instead of
+        # between the copies of each group's states back to their parameters.
+        backs = [
+            (back, result, row_stack, factors)
+            if group.back_comm
+            else (back, result, row_stack, row_factors(group, result, row_stack))
+            for group, (back, result, row_stack, factors) in zip(groups, backs, strict=True)
+        ]
         for group, (back, result, row_stack, factor_stack) in zip(groups, backs, strict=True):
-            if not group.back_comm:
-                factor_stack = row_factors(group, result, row_stack)
             self._scatter(group, directions, back, result, out)
             if states is not None:
                 group_words = words.get(id(group), {})

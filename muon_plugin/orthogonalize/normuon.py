@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from muon_plugin.kernels.row_factors import row_factors_kernel_
+from muon_plugin.kernels.row_factors import row_factors_kernel_, row_sum_squares_kernel
 from muon_plugin.orthogonalize.spec import MatrixSpec, RowNormalization
 
 __all__ = ["normuon_factors_", "row_factors_", "scale_rows"]
@@ -45,8 +45,9 @@ def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec, kernel: bool = 
 
     Returns the factors ``f`` (fp32, ``v``'s shape): the update is ``ortho * f`` per row
     (:func:`scale_rows`), which the optimizer's update step applies (fused into its kernel on
-    GPUs), so ``ortho`` itself is only read, once. ``kernel``: steps 1-4 in one Triton launch
-    where it applies (:mod:`muon_plugin.kernels.row_factors`), else torch's vector ops.
+    GPUs), so ``ortho`` itself is only read, once. ``kernel``: the rows' sums of squares and steps
+    1-4 in two Triton launches where they apply (:mod:`muon_plugin.kernels.row_factors`), else
+    torch's reduction and vector ops.
     """
     norm = spec.normalization
     if norm is None:
@@ -60,7 +61,9 @@ def normuon_factors_(ortho: Tensor, v: Tensor, spec: MatrixSpec, kernel: bool = 
         )
     X = ortho.reshape(stack, m, n)
     # ||O_r||^2: one pass over the stack, accumulated in fp32 (no fp32 copy of it).
-    sum_sq = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
+    sum_sq = row_sum_squares_kernel(X) if kernel else None
+    if sum_sq is None:
+        sum_sq = torch.linalg.vector_norm(X, dim=-1, dtype=torch.float32).square_()
     rows, blocks = v.view(stack, m), _blocks(spec, m, n)
     factors = None
     if kernel:

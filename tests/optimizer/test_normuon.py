@@ -327,6 +327,22 @@ def test_loading_a_second_moment_of_the_wrong_shape_names_the_parameter():
         opt.load_state_dict(bad)
 
 
+def test_a_state_replaced_after_a_step_is_checked_again():
+    """The step skips checking a state it checked before: one replaced by hand is checked (a
+    wrong one refused by name) and used."""
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    p.grad = torch.randn(8, 16)
+    opt = MuonForeach([("layers.0.wq.weight", p)], normalization="normuon")
+    opt.step()
+    opt.state[p][ROW_STATE_KEY] = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"layers\.0\.wq\.weight.*normuon_second_moment"):
+        opt.step()
+    fresh = torch.full((8,), 7.0)
+    opt.state[p][ROW_STATE_KEY] = fresh
+    opt.step()
+    assert opt.state[p][ROW_STATE_KEY] is fresh and not torch.equal(fresh, torch.full((8,), 7.0))
+
+
 def test_a_muon_checkpoint_starts_normuon_from_a_zero_second_moment():
     """Switching a run from Muon to NorMuon: the momentum is kept, the second moment starts at
     zero, as in a fresh NorMuon run. Group settings come from the checkpoint (torch.optim's

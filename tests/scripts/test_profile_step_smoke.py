@@ -1,4 +1,5 @@
-"""scripts/profile_step.py's arithmetic on synthetic profiler events (the script needs a GPU)."""
+"""scripts/profile_step.py's arithmetic on synthetic profiler events (the script needs a GPU), and
+scripts/step_ab.py's alternating rounds on the CPU (a small workload)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from muon_plugin.row_state import ROW_STATE_KEY
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_step.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+def load_script(path: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -24,7 +25,7 @@ def event(name: str, start: float, end: float, cuda: bool = True, annotation: bo
     device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     span = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
     return types.SimpleNamespace(
-        name=name, device_type=device, time_range=span, is_user_annotation=annotation
+        name=name, device_type=device, time_range=span, is_user_annotation=annotation, thread=7
     )
 
 
@@ -50,6 +51,37 @@ def test_report_counts_kernels_only():
     assert "2 kernels" in text  # 3 kernels over 2 steps, rounded
     lines = text.splitlines()
     assert lines[-2].endswith("gemm") and lines[-1].endswith("(others)")
+
+
+def test_timeline_reads_the_last_steps_lead_gaps_and_tail():
+    script = load_script()
+    events = [
+        event("Optimizer.step#MuonForeach.step", 0, 50, cuda=False),
+        event("old", 10, 20),
+        event("Optimizer.step#MuonForeach.step", 100, 150, cuda=False),
+        event("momentum", 130, 200),
+        event("graph a", 200, 260),
+        event("graph b", 210, 240),  # overlaps a on another stream
+        event("norm", 265, 290),  # 5 us after a
+        event("update", 300, 400),  # 10 us after norm
+    ]
+    text = script.timeline(types.SimpleNamespace(events=lambda: events), gaps=1, tail=2)
+    lines = text.splitlines()
+    assert "first kernel at 30.0, last kernel done at 300.0" in lines[0]
+    assert "15.0 us in 2 gaps" in lines[1]
+    assert lines[2].split() == ["10.0", "us", "at", "190.0:", "norm", "->", "update"]
+    assert lines[-1].split() == ["200.0", "100.0", "7", "update"]
+
+
+def test_step_ab_alternates_rounds_and_prints_ratios(capsys, monkeypatch):
+    script = load_script(SCRIPT.with_name("step_ab.py"))
+    argv = ["step_ab.py", "--small", "--rounds", "3", "--steps", "1", "--warmup", "1"]
+    monkeypatch.setattr("sys.argv", argv)
+    script.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("gpt: 3 rounds of 1 steps, alternating")
+    assert "foreach: median" in out[1] and "/ foreach" not in out[1]
+    assert "normuon: median" in out[2] and "/ foreach: median" in out[2]
 
 
 def test_every_optimizer_choice_builds_and_steps():

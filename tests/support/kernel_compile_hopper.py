@@ -101,6 +101,8 @@ def row_factors_and_scaling() -> None:
         rf.row_factors_(
             torch.ones(3, 64), torch.ones(3, 64), [(0, 64, 1.0)], 96, 0.95, 1e-8, frobenius
         )
+    for dtype, cols in ((torch.bfloat16, 768), (torch.float32, 300)):
+        rf.row_sum_squares(torch.zeros(3, 64, cols, dtype=dtype))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         X = torch.zeros(3, 64, 96, dtype=dtype)
         sc.scale_matrices_(X, torch.ones(3), None, 126)
@@ -135,7 +137,8 @@ def main() -> None:
     symmetric()
     expected = {
         "_grouped_momentum_kernel", "_grouped_decay_update_kernel", "_grouped_int8_momentum_kernel",
-        "_grouped_int4_momentum_kernel", "_row_factors_kernel", "_scale_matrices_kernel",
+        "_grouped_int4_momentum_kernel", "_row_factors_kernel", "_row_sum_squares_kernel",
+        "_scale_matrices_kernel",
         "_syrk_kernel", "_syrk_tma_kernel",
     }  # fmt: skip
     assert set(compiled) == expected, sorted(expected ^ set(compiled))
