@@ -142,13 +142,13 @@ class RowStates:
             dsts = [piece(self._state(group, group.indices[k]), b) for k, b in sched.direct]
             torch._foreach_copy_(dsts, list(states.unbind(0)))
         slots = group.rows.local_slots  # type: ignore[union-attr]
-        if factor_stack is not None and tuple(factor_stack.shape[1:]) == tuple(shape):
-            # One unit per parameter (2-D matrices): the views in one call, not one slice each.
+        one_unit_each = all(count == 1 for _, count in slots)
+        if one_unit_each and factor_stack is not None and factor_stack.shape[1:] == shape:
+            # 2-D matrices: the views in one call, not one slice each.
             views = factor_stack.unbind(0)
-            if all(count == 1 for _, count in slots):
-                for k, (first, _) in enumerate(slots):
-                    self.factors[group.indices[k]] = views[first]
-                return
+            for k, (first, _) in enumerate(slots):
+                self.factors[group.indices[k]] = views[first]
+            return
         for k, (first, count) in enumerate(slots):
             i = group.indices[k]
             if count:

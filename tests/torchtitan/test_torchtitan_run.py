@@ -25,11 +25,8 @@ pytestmark = [
 ]
 
 
-def train_sh(
-    args: list[str], tmp: Path, data: Path | None = None, data_dir: Path | None = None
-) -> subprocess.CompletedProcess:
-    """``train.sh CONFIG ARGS``, reading ``data`` (a built corpus); ``DATA_DIR``: ``data_dir``,
-    else ``data``."""
+def train_sh(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """``train.sh CONFIG ARGS`` in one process."""
     env = dict(os.environ)
     env.update(
         PYTHON=sys.executable,
@@ -40,13 +37,6 @@ def train_sh(
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     env.pop("OMP_NUM_THREADS", None)
-    if data is not None:
-        env["DATA_DIR"] = str(data_dir or data)
-        args = [
-            "--model.hf_assets_path", str(data / "tokenizer"),
-            "--training.dataset_path", str(data / "corpus"),
-            "--metrics.disable_color_printing", *args,
-        ]  # fmt: skip
     cmd = ["bash", "scripts/train.sh", str(CONFIG), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
