@@ -88,6 +88,12 @@ class RowGroup(GroupUnits):
         """Whether any rank sends or receives these rows (else all of them are local)."""
         return self.gather_comm or self.back_comm
 
+    @functools.cached_property
+    def one_local_unit_each(self) -> bool:
+        """Whether every parameter holds exactly one local unit (``local_slots``): its rows'
+        factors are then one slot of the owner's stack (derived once, read every step)."""
+        return all(count == 1 for _, count in self.local_slots)
+
 
 @dataclass(frozen=True, eq=False)
 class ShapeGroup(GroupUnits):

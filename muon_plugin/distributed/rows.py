@@ -135,15 +135,19 @@ class RowStates:
         """No traffic: each owned unit is a whole local one (``direct``). The states go back
         with one copy; each parameter's factors are a view of the owner's stack (its units
         fill consecutive slots in order: the companion's ``local_slots``)."""
-        sched = group.rows.schedule  # type: ignore[union-attr]
+        companion = group.rows
+        assert companion is not None
+        sched, slots = companion.schedule, companion.local_slots
         shape = group.spec.row_shape(group.local_shape)
         if sched.direct:
             assert states is not None and factor_stack is not None
             dsts = [piece(self._state(group, group.indices[k]), b) for k, b in sched.direct]
             torch._foreach_copy_(dsts, list(states.unbind(0)))
-        slots = group.rows.local_slots  # type: ignore[union-attr]
-        one_unit_each = all(count == 1 for _, count in slots)
-        if one_unit_each and factor_stack is not None and factor_stack.shape[1:] == shape:
+        if (
+            companion.one_local_unit_each
+            and factor_stack is not None
+            and factor_stack.shape[1:] == shape
+        ):
             # 2-D matrices: the views in one call, not one slice each.
             views = factor_stack.unbind(0)
             for k, (first, _) in enumerate(slots):
