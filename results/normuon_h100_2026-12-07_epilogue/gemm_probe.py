@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each closure is timed inside the loop iteration that made it)
 """Probe: batched C = A @ B in Triton with per-row sum-of-squares partials in the epilogue,
 against cuBLAS bmm + the row-sum kernel, on GPT-125M's three NorMuon stacks."""
 
@@ -6,9 +7,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from muon_plugin.kernels._product_triton import product_row_sums
 from triton.testing import do_bench
 
-from muon_plugin.kernels._product_triton import product_row_sums
 from muon_plugin.kernels._row_factors_triton import row_sum_squares
 
 CONFIGS = [
@@ -23,8 +24,27 @@ TMA_CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
 
 
 @triton.jit
-def _mm_rows_ptr(A, B, C, P, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, NT,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _mm_rows_ptr(
+    A,
+    B,
+    C,
+    P,
+    M,
+    N,
+    K,
+    sab,
+    sam,
+    sak,
+    sbb,
+    sbk,
+    sbn,
+    scb,
+    scm,
+    NT,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     tiles_n = tl.cdiv(N, BN)
@@ -50,8 +70,21 @@ def _mm_rows_ptr(A, B, C, P, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, NT
 
 
 @triton.jit
-def _mm_rows_tma(A, B, C, P, BATCH, M, N, K, NT,
-                 A_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _mm_rows_tma(
+    A,
+    B,
+    C,
+    P,
+    BATCH,
+    M,
+    N,
+    K,
+    NT,
+    A_T: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid = tl.program_id(0)
     b = tl.program_id(1)
     tiles_n = tl.cdiv(N, BN)
@@ -92,8 +125,25 @@ def run_ptr(A, Bm, cfg):
     nt = triton.cdiv(N, bn)
     P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
     grid = (triton.cdiv(M, bm) * nt, batch)
-    _mm_rows_ptr[grid](A, Bm, C, P, M, N, K, *A.stride(), *Bm.stride(), C.stride(0), C.stride(1),
-                       nt, BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
+    _mm_rows_ptr[grid](
+        A,
+        Bm,
+        C,
+        P,
+        M,
+        N,
+        K,
+        *A.stride(),
+        *Bm.stride(),
+        C.stride(0),
+        C.stride(1),
+        nt,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=w,
+        num_stages=s,
+    )
     return C, P
 
 
@@ -106,8 +156,9 @@ def run_tma(A, Bm, cfg, a_t):
     P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
     grid = (triton.cdiv(M, bm) * nt, batch)
     base = A.mT if a_t else A  # the contiguous storage
-    _mm_rows_tma[grid](base, Bm, C, P, batch, M, N, K, nt, A_T=a_t, BM=bm, BN=bn, BK=bk,
-                       num_warps=w, num_stages=s)
+    _mm_rows_tma[grid](
+        base, Bm, C, P, batch, M, N, K, nt, A_T=a_t, BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s
+    )
     return C, P
 
 
@@ -129,18 +180,28 @@ def main():
         ref = torch.bmm(A, Bm)
         t_sum = do_bench(lambda: row_sum_squares(ref), warmup=50, rep=300)
         base = t_mm + t_sum
-        print(f"{name}: cublas bmm {t_mm * 1e3:.1f} us + sums {t_sum * 1e3:.1f} us = {base * 1e3:.1f} us")
+        print(
+            f"{name}: cublas bmm {t_mm * 1e3:.1f} us + sums {t_sum * 1e3:.1f} us"
+            f" = {base * 1e3:.1f} us"
+        )
         sums = row_sum_squares(ref)
         sbuf = torch.empty_like(sums)
         best = None
         for kind in ("ptr", "tma"):
-            for cfg in (CONFIGS if kind == "ptr" else TMA_CONFIGS):
+            for cfg in CONFIGS if kind == "ptr" else TMA_CONFIGS:
                 try:
-                    f = (lambda c=cfg: (product_row_sums(A, Bm, sbuf, tiles=c), sbuf[..., None])) if kind == "ptr" else (lambda c=cfg: run_tma(A, Bm, c, a_t))
+                    f = (
+                        (lambda c=cfg: (product_row_sums(A, Bm, sbuf, tiles=c), sbuf[..., None]))
+                        if kind == "ptr"
+                        else (lambda c=cfg: run_tma(A, Bm, c, a_t))
+                    )
                     C, P = f()
                     torch.cuda.synchronize()
                     err = ((C.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                    serr = ((P.sum(-1).flatten() - row_sum_squares(C).flatten()).abs().max() / sums.max()).item()
+                    serr = (
+                        (P.sum(-1).flatten() - row_sum_squares(C).flatten()).abs().max()
+                        / sums.max()
+                    ).item()
                     t = do_bench(f, warmup=30, rep=200)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {kind} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
@@ -148,13 +209,17 @@ def main():
                 print(f"  {kind} {cfg}: {t * 1e3:.1f} us (err {err:.1e}, sums err {serr:.1e})")
                 if best is None or t < best[0]:
                     best = (t, kind, cfg)
-        print(f"  best {best[1]} {best[2]}: {best[0] * 1e3:.1f} us vs {base * 1e3:.1f} us "
-              f"(gain {(base - best[0]) * 1e3:.1f} us)")
+        print(
+            f"  best {best[1]} {best[2]}: {best[0] * 1e3:.1f} us vs {base * 1e3:.1f} us "
+            f"(gain {(base - best[0]) * 1e3:.1f} us)"
+        )
         total_base += base
         total_best += best[0]
         sys.stdout.flush()
-    print(f"total: base {total_base * 1e3:.1f} us, epilogue {total_best * 1e3:.1f} us, "
-          f"gain {(total_base - total_best) * 1e3:.1f} us")
+    print(
+        f"total: base {total_base * 1e3:.1f} us, epilogue {total_best * 1e3:.1f} us, "
+        f"gain {(total_base - total_best) * 1e3:.1f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each closure is timed inside the loop iteration that made it)
 """Probe: the rows' sums of squares of GPT-125M's three NorMuon stacks (bf16), tile sweep of the
 row-sum kernel's shape (block_c, block_r, warps, stages) against the landed configuration and a
 plain read (torch.sum in fp32) as the bandwidth reference. Timed in CUDA graphs. Writes the best
@@ -74,8 +75,10 @@ def main():
             t = landed[0][0]
             print(f"  landed (256, 2048, 4 warps, 3 stages): {t:.1f} us ({mb / t:.2f} TB/s)")
         for t, bc, tile, warps, stages, err in results[:8]:
-            print(f"  block_c {bc} tile {tile} warps {warps} stages {stages}: {t:.1f} us "
-                  f"({mb / t:.2f} TB/s) err {err:.1e}")
+            print(
+                f"  block_c {bc} tile {tile} warps {warps} stages {stages}: {t:.1f} us "
+                f"({mb / t:.2f} TB/s) err {err:.1e}"
+            )
         totals = per_cols.setdefault(str(cols), {})
         for t, bc, tile, warps, stages, _ in results:
             key = (bc, tile // bc, warps, stages)
