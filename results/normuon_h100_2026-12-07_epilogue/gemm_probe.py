@@ -117,14 +117,20 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def run_ptr(A, Bm, cfg):
-    bm, bn, bk, w, s = cfg
-    batch, M, K = A.shape
+def _outputs(A, Bm, bm, bn):
+    """The product, its per-column-tile row-sum partials, the tile count and the grid."""
+    batch, M, _ = A.shape
     N = Bm.shape[-1]
     C = torch.empty(batch, M, N, dtype=torch.bfloat16, device=A.device)
     nt = triton.cdiv(N, bn)
     P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
-    grid = (triton.cdiv(M, bm) * nt, batch)
+    return C, P, nt, (triton.cdiv(M, bm) * nt, batch)
+
+
+def run_ptr(A, Bm, cfg):
+    bm, bn, bk, w, s = cfg
+    M, K, N = A.shape[1], A.shape[2], Bm.shape[-1]
+    C, P, nt, grid = _outputs(A, Bm, bm, bn)
     _mm_rows_ptr[grid](
         A,
         Bm,
@@ -151,10 +157,7 @@ def run_tma(A, Bm, cfg, a_t):
     bm, bn, bk, w, s = cfg
     batch, M, K = A.shape
     N = Bm.shape[-1]
-    C = torch.empty(batch, M, N, dtype=torch.bfloat16, device=A.device)
-    nt = triton.cdiv(N, bn)
-    P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
-    grid = (triton.cdiv(M, bm) * nt, batch)
+    C, P, nt, grid = _outputs(A, Bm, bm, bn)
     base = A.mT if a_t else A  # the contiguous storage
     _mm_rows_tma[grid](
         base, Bm, C, P, batch, M, N, K, nt, A_T=a_t, BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s

@@ -10,22 +10,9 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
-
-@triton.jit
-def _k(x_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = r < rows
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for first in range(0, cols, BLOCK_C):
-        c = first + tl.arange(0, BLOCK_C)
-        mask = row_mask[:, None] & (c < cols)[None, :]
-        x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += x * x
-    tl.store(out_ptr + r, tl.sum(acc, axis=1), mask=row_mask)
-
+from muon_plugin.kernels._row_factors_triton import _row_sum_squares_kernel as _k
 
 SHAPES = [(48, 768, 768), (12, 768, 3072), (12, 3072, 768)]
 
