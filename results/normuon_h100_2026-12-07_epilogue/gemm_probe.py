@@ -24,52 +24,6 @@ TMA_CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
 
 
 @triton.jit
-def _mm_rows_ptr(
-    A,
-    B,
-    C,
-    P,
-    M,
-    N,
-    K,
-    sab,
-    sam,
-    sak,
-    sbb,
-    sbk,
-    sbn,
-    scb,
-    scm,
-    NT,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    tiles_n = tl.cdiv(N, BN)
-    tm = pid // tiles_n
-    tn = pid % tiles_n
-    rm = tm * BM + tl.arange(0, BM)
-    rn = tn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    a_ptr = A + b * sab + rm[:, None] * sam + rk[None, :] * sak
-    b_ptr = B + b * sbb + rk[:, None] * sbk + rn[None, :] * sbn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        a = tl.load(a_ptr, mask=(rm[:, None] < M) & (rk[None, :] + k * BK < K), other=0.0)
-        bb = tl.load(b_ptr, mask=(rk[:, None] + k * BK < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, bb, acc)
-        a_ptr += BK * sak
-        b_ptr += BK * sbk
-    out = acc.to(C.dtype.element_ty)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(C + b * scb + rm[:, None] * scm + rn[None, :], out, mask=mask)
-    o = tl.where(mask, out.to(tl.float32), 0.0)
-    tl.store(P + (b * M + rm) * NT + tn, tl.sum(o * o, axis=1), mask=rm < M)
-
-
-@triton.jit
 def _mm_rows_tma(
     A,
     B,
@@ -117,47 +71,14 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _outputs(A, Bm, bm, bn):
-    """The product, its per-column-tile row-sum partials, the tile count and the grid."""
-    batch, M, _ = A.shape
-    N = Bm.shape[-1]
-    C = torch.empty(batch, M, N, dtype=torch.bfloat16, device=A.device)
-    nt = triton.cdiv(N, bn)
-    P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
-    return C, P, nt, (triton.cdiv(M, bm) * nt, batch)
-
-
-def run_ptr(A, Bm, cfg):
-    bm, bn, bk, w, s = cfg
-    M, K, N = A.shape[1], A.shape[2], Bm.shape[-1]
-    C, P, nt, grid = _outputs(A, Bm, bm, bn)
-    _mm_rows_ptr[grid](
-        A,
-        Bm,
-        C,
-        P,
-        M,
-        N,
-        K,
-        *A.stride(),
-        *Bm.stride(),
-        C.stride(0),
-        C.stride(1),
-        nt,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        num_warps=w,
-        num_stages=s,
-    )
-    return C, P
-
-
 def run_tma(A, Bm, cfg, a_t):
     bm, bn, bk, w, s = cfg
     batch, M, K = A.shape
     N = Bm.shape[-1]
-    C, P, nt, grid = _outputs(A, Bm, bm, bn)
+    C = torch.empty(batch, M, N, dtype=torch.bfloat16, device=A.device)
+    nt = triton.cdiv(N, bn)
+    P = torch.empty(batch, M, nt, dtype=torch.float32, device=A.device)
+    grid = (triton.cdiv(M, bm) * nt, batch)
     base = A.mT if a_t else A  # the contiguous storage
     _mm_rows_tma[grid](
         base, Bm, C, P, batch, M, N, K, nt, A_T=a_t, BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s
