@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
+# Row-scaled updates whose rows are all a multiple of this long take one factor per run of this
+# many elements (loaded once, broadcast) instead of one load per element.
+ROW_VEC = 8
 # Data pointers aligned to this many bytes (all of a list's) let the kernel use 16-byte accesses.
 _ALIGN = 16
 # Cached tables, least recently used dropped first. The per-parameter driver calls with one
@@ -134,6 +137,7 @@ def _decay_update_tile(
     scale,
     f_ptrs,
     mask,
+    f_mask,
     P_TY: tl.constexpr,
     PROD_TY: tl.constexpr,
     MODE: tl.constexpr,
@@ -141,11 +145,12 @@ def _decay_update_tile(
 ):
     # Foreach math, each op rounded to the param dtype as the foreach ops do. MODE 2 (cautious):
     # p.addcmul_(p, clamp_min(sign(u*p), 0), value=-lr*wd); MODE 1: p.mul_(1 - lr*wd);
-    # MODE 0: no decay. Then p.add_(u, alpha=-lr). ROW_SCALE: u = u.float() * factor of its row.
+    # MODE 0: no decay. Then p.add_(u, alpha=-lr). ROW_SCALE: u = u.float() * factor of its row
+    # (``f_ptrs``: one per element, or one per run of elements, broadcast over it).
     p = tl.load(p_ptrs, mask=mask).to(tl.float32)
     u = tl.load(u_ptrs, mask=mask).to(tl.float32)
     if ROW_SCALE:
-        u = u * tl.load(f_ptrs, mask=mask)
+        u = u * tl.load(f_ptrs, mask=f_mask)
     if MODE == 2:
         agree = (u * p).to(PROD_TY).to(tl.float32) > 0  # the foreach product has that dtype
         p = tl.where(agree, tl.fma(neg_decay, p, p), p).to(P_TY).to(tl.float32)
@@ -167,6 +172,7 @@ def _grouped_decay_update_kernel(
     ALIGNED: tl.constexpr,
     MODE: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    ROW_VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row, n, start = _program_tile(meta_ptr, tiles_ptr, 6 if ROW_SCALE else 4, BLOCK)
@@ -177,26 +183,34 @@ def _grouped_decay_update_kernel(
     if ALIGNED:
         p_base = tl.multiple_of(p_base, 16)
         u_base = tl.multiple_of(u_base, 16)
-    offs = start + tl.arange(0, BLOCK)
+    if ROW_VEC == 1:
+        offs = start + tl.arange(0, BLOCK)
+        f_runs = offs  # one factor per element
+    else:  # the tile as BLOCK // ROW_VEC runs of ROW_VEC consecutive elements, each in one row
+        runs = start + tl.arange(0, BLOCK // ROW_VEC) * ROW_VEC
+        offs = runs[:, None] + tl.arange(0, ROW_VEC)[None, :]
+        f_runs = runs[:, None]  # one factor per run, broadcast over its elements
     p_ptrs = p_base + offs
     u_ptrs = u_base + offs
     f_ptrs = u_ptrs  # unused without ROW_SCALE
     if ROW_SCALE:  # one factor per row of row_len consecutive elements
         f_base = tl.load(row + 4).to(tl.pointer_type(tl.float32))
         row_len = tl.load(row + 5)
-        # The tile's first row once per program (a 64-bit division), then each element's row
-        # from its offset within that row's start: under BLOCK + row_len, a 32-bit division.
+        # The tile's first row once per program (a 64-bit division), then each element's (or
+        # run's) row from its offset within that row's start: under BLOCK + row_len, a 32-bit
+        # division.
         first = start // row_len
-        local = (offs - first * row_len).to(tl.int32)
+        local = (f_runs - first * row_len).to(tl.int32)
         f_ptrs = f_base + first + local // row_len.to(tl.int32)
     if start + BLOCK <= n:
         _decay_update_tile(
-            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, None, P_TY, PROD_TY, MODE, ROW_SCALE
-        )
+            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, None, None, P_TY, PROD_TY, MODE,
+            ROW_SCALE,
+        )  # fmt: skip
     else:
         _decay_update_tile(
-            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, offs < n, P_TY, PROD_TY, MODE,
-            ROW_SCALE,
+            p_ptrs, u_ptrs, neg_lr, neg_decay, scale, f_ptrs, offs < n, f_runs < n, P_TY,
+            PROD_TY, MODE, ROW_SCALE,
         )  # fmt: skip
 
 
@@ -327,6 +341,15 @@ def _tables(
     return layout, meta, aligned
 
 
+def _row_vec(lengths: Sequence[int], updates: Sequence[torch.Tensor]) -> int:
+    """``ROW_VEC`` where every non-empty update's rows are a multiple of it long (one factor per
+    run of that many elements), else 1 (one per element); 1 without row factors."""
+    if not lengths:
+        return 1
+    rows = [n for n, u in zip(lengths, updates, strict=True) if u.numel()]
+    return ROW_VEC if all(n % ROW_VEC == 0 for n in rows) else 1
+
+
 def clear_caches() -> None:
     """Drop every cached table (tests; or to free the little device memory they hold)."""
     _layouts.clear()
@@ -428,5 +451,6 @@ def grouped_decay_update(
         ALIGNED=aligned,
         MODE=mode,
         ROW_SCALE=factors is not None,
+        ROW_VEC=_row_vec(lengths, updates),
         BLOCK=BLOCK,
     )

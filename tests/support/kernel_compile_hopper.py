@@ -65,7 +65,9 @@ def elementwise() -> None:
             ew.grouped_decay_update(params, updates, 0.01, 0.1, cautious)
         ew.grouped_decay_update(params, updates, 0.01, 0.0, False)
         factors = [torch.ones(p.shape[0]) for p in params]
-        ew.grouped_decay_update(params, updates, 0.01, 0.1, False, factors)
+        ew.grouped_decay_update(params, updates, 0.01, 0.1, False, factors)  # runs of 8
+        odd = [torch.zeros(8, 100, dtype=p_dtype)]  # rows of 100: a factor per element
+        ew.grouped_decay_update(odd, [u.bfloat16() for u in odd], 0.01, 0.1, False, [torch.ones(8)])
 
 
 def quantized() -> None:
