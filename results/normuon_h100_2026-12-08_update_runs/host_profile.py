@@ -14,7 +14,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 from statistics import median
 
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 from bench.workloads import gpt_shapes, make_workload  # noqa: E402
-from profile_step import OPTIMIZERS  # noqa: E402
+from profile_step import OPTIMIZERS, host_and_wall_ms  # noqa: E402
 
 
 def profile(name: str, steps: int) -> dict[str, tuple[int, float, float]]:
@@ -34,15 +33,7 @@ def profile(name: str, steps: int) -> dict[str, tuple[int, float, float]]:
     opt = OPTIMIZERS[name](wl.params)
     for _ in range(10):
         opt.step()
-    host, wall = [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e3)
-        wall.append((time.perf_counter() - t0) * 1e3)
+    host, wall = host_and_wall_ms(opt, steps)
     pr = cProfile.Profile()
     for _ in range(steps):
         torch.cuda.synchronize()
