@@ -341,15 +341,6 @@ def _tables(
     return layout, meta, aligned
 
 
-def _row_vec(lengths: Sequence[int], updates: Sequence[torch.Tensor]) -> int:
-    """``ROW_VEC`` where every non-empty update's rows are a multiple of it long (one factor per
-    run of that many elements), else 1 (one per element); 1 without row factors."""
-    if not lengths:
-        return 1
-    rows = [n for n, u in zip(lengths, updates, strict=True) if u.numel()]
-    return ROW_VEC if all(n % ROW_VEC == 0 for n in rows) else 1
-
-
 def clear_caches() -> None:
     """Drop every cached table (tests; or to free the little device memory they hold)."""
     _layouts.clear()
@@ -425,11 +416,16 @@ def grouped_decay_update(
     if not params:
         return
     lengths: list[int] = []
+    row_vec = 1  # one factor per run of ROW_VEC elements where every row is a multiple long
     if factors is not None:
+        row_vec = ROW_VEC
         for u, f in zip(updates, factors, strict=True):
-            if f.dtype != torch.float32 or not f.is_contiguous() or u.numel() % max(1, f.numel()):
+            n, rows = u.numel(), f.numel()
+            if f.dtype != torch.float32 or not f.is_contiguous() or n % max(1, rows):
                 raise ValueError(f"row factors {tuple(f.shape)} ({f.dtype}) for {tuple(u.shape)}")
-            lengths.append(u.numel() // f.numel() if f.numel() else 1)
+            lengths.append(n // rows if rows else 1)
+            if n and lengths[-1] % ROW_VEC:
+                row_vec = 1
     layout, meta, aligned = _tables(
         params, updates, with_dir=False, extra=[factors] if factors else (), row_lengths=lengths
     )
@@ -451,6 +447,6 @@ def grouped_decay_update(
         ALIGNED=aligned,
         MODE=mode,
         ROW_SCALE=factors is not None,
-        ROW_VEC=_row_vec(lengths, updates),
+        ROW_VEC=row_vec,
         BLOCK=BLOCK,
     )
