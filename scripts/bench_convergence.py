@@ -536,6 +536,8 @@ def summarize(records: list[dict]) -> tuple[str, dict]:
 COLORS = {"adamw": "tab:blue", "muon": "tab:red", "normuon": "tab:orange",
           "muonlp-int8": "tab:green", "muonlp-int4": "tab:olive",
           "muonlp-fp8": "tab:purple", "muon-turbo": "tab:brown"}  # fmt: skip
+# Colors of the other runs' labels (QK-Clip variants, ...), none of the above: taken in order.
+OTHER_COLORS = ("tab:pink", "tab:gray", "tab:cyan", "black")
 
 
 def smooth(values: list[float], width: int = 5) -> list[float]:
@@ -558,8 +560,9 @@ def plot(records: list[dict], path: Path) -> bool:
     full = [r for r in ok if full_length(r)]
     fig, (ax_v, ax_lr, ax_t) = plt.subplots(1, 3, figsize=(16, 4.6))
     best = best_groups(full)
+    others = iter(OTHER_COLORS * len(best))
     for opt, runs in best.items():
-        color = COLORS.get(opt)
+        color = COLORS.get(opt) or next(others)
         steps, losses = zip(*mean_curve(runs), strict=True)
         label = f"{opt} lr {runs[0]['lr']:g} ({len(runs)} seeds)"
         ax_v.plot(steps, losses, marker="o", ms=3, lw=1.2, color=color, label=label)
@@ -575,12 +578,16 @@ def plot(records: list[dict], path: Path) -> bool:
     if "adamw" in best:
         target = min(v for _, v in mean_curve(best["adamw"]))
         ax_v.axhline(target, color=COLORS["adamw"], ls=":", lw=1, label="AdamW's best")
+    swept = set()
     for opt in ("adamw", *SCHEDULED):
         sweep = sorted((r["lr"], r["val"][-1][1]) for r in full if r["optimizer"] == opt
                        and r["seed"] == 0)  # fmt: skip
         if sweep:
             ax_lr.plot(*zip(*sweep, strict=True), marker="o", color=COLORS[opt], label=opt)
+            swept.update(lr for lr, _ in sweep)
     ax_lr.set_xscale("log")
+    ax_lr.set_xticks(sorted(swept), [f"{lr:g}" for lr in sorted(swept)])  # the swept lrs only
+    ax_lr.minorticks_off()
     ax_v.set_ylim(top=min(6.0, ax_v.get_ylim()[1]))
     for ax, title, xlabel in ((ax_v, "validation loss", "step"),
                               (ax_lr, "final validation loss (seed 0)", "lr"),
