@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -560,7 +561,7 @@ def plot(records: list[dict], path: Path) -> bool:
     full = [r for r in ok if full_length(r)]
     fig, (ax_v, ax_lr, ax_t) = plt.subplots(1, 3, figsize=(16, 4.6))
     best = best_groups(full)
-    others = iter(OTHER_COLORS * len(best))
+    others = itertools.cycle(OTHER_COLORS)
     for opt, runs in best.items():
         color = COLORS.get(opt) or next(others)
         steps, losses = zip(*mean_curve(runs), strict=True)
@@ -586,7 +587,8 @@ def plot(records: list[dict], path: Path) -> bool:
             ax_lr.plot(*zip(*sweep, strict=True), marker="o", color=COLORS[opt], label=opt)
             swept.update(lr for lr, _ in sweep)
     ax_lr.set_xscale("log")
-    ax_lr.set_xticks(sorted(swept), [f"{lr:g}" for lr in sorted(swept)])  # the swept lrs only
+    lrs = sorted(swept)
+    ax_lr.set_xticks(lrs, [f"{lr:g}" for lr in lrs])  # the swept lrs only
     ax_lr.minorticks_off()
     ax_v.set_ylim(top=min(6.0, ax_v.get_ylim()[1]))
     for ax, title, xlabel in ((ax_v, "validation loss", "step"),

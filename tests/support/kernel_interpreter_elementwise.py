@@ -122,13 +122,14 @@ def decay_update(cases: Cases, functional) -> None:
 def decay_update_row_factors(cases: Cases, functional) -> None:
     """NorMuon: the update times one fp32 factor per row (zero factors included); rows of any
     length (a factor per element), and rows all a multiple of 8 long (a factor per run of 8)."""
-    runs = Cases(cases.block)
     b = cases.block
+    runs = Cases(b)
     runs.shapes = [(3, b // 2 + 8), (b // 8 + 3, 8), (2, b + 16), (0, 8), (1, 8), (5, 24)]
+    long_rows = cases.with_long_rows()
     for dtypes, shapes in [
-        ([(f32, bf16)], cases.with_long_rows()),
-        ([(bf16, bf16)], cases.with_long_rows()),
-        ([(f32, f32)], cases.with_long_rows()),
+        ([(f32, bf16)], long_rows),
+        ([(bf16, bf16)], long_rows),
+        ([(f32, f32)], long_rows),
         ([(f32, bf16)], runs),
         ([(bf16, bf16)], runs),
     ]:
